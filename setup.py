@@ -1,0 +1,25 @@
+"""Trident: a Megatron-based 3D-parallel PPO engine for RLHF."""
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+
+def _requirements(name: str) -> list[str]:
+    lines = (Path(__file__).parent / "requirements" / name).read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+setup(
+    name="trident-ppo",
+    version="0.1.0",
+    description="Megatron-based 3D-parallel PPO engine for RLHF of large language models",
+    python_requires=">=3.11",
+    packages=find_packages(include=["engine*", "parallel*", "launch*", "benchmarks*"]),
+    install_requires=_requirements("base.txt"),
+    extras_require={
+        # transformer-engine builds only against CUDA/NCCL headers: GPU machines only.
+        "gpu": ["transformer-engine[pytorch]", "sglang==0.5.23"],
+        "sglang-cpu": _requirements("sglang-cpu.txt") + ["sglang==0.5.23"],
+        "test": _requirements("test.txt"),
+    },
+)
