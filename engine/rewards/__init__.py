@@ -1,0 +1,21 @@
+"""Rule-based rewards: compute_score by data_source (GSM8K, reasoning-gym, user file), a crash-proof manager.
+
+Names are imported lazily (PEP 562) so a Ray reward worker, which needs only the scorers, does not
+pay for importing torch.
+"""
+import importlib
+
+_EXPORTS = {
+    "CustomRewardFunctionConfig": "engine.rewards.config", "RewardConfig": "engine.rewards.config",
+    "RewardManager": "engine.rewards.manager", "RewardResult": "engine.rewards.manager",
+    "decode_responses": "engine.rewards.manager", "token_level_scores": "engine.rewards.manager",
+    "default_compute_score": "engine.rewards.registry", "load_custom_reward_function": "engine.rewards.registry",
+    "resolve_compute_score": "engine.rewards.registry",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine.rewards' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,0 +1,1 @@
+"""Dataset preparation scripts: GSM8K conversion and reasoning-gym generation into the prompt Parquet schema."""
