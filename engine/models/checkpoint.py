@@ -1,0 +1,309 @@
+"""HF safetensors checkpoints <-> Megatron model chunks in any (tp, pp, vpp) layout.
+
+Loading: every rank reads only the slices of the HF tensors it owns (``safe_open(...).get_slice``),
+so a rank's memory grows with its shard, not with the model. The file of each tensor comes from
+``model.safetensors.index.json`` (sharded checkpoints) or from the headers of the ``*.safetensors``
+files in the folder.
+
+Export: TP shards are all-gathered inside each tensor-parallel group (data/context-parallel rank 0
+only), turned back into HF tensors by the mapping in ``weight_mapping``, and sent to one rank (or
+broadcast to all).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from engine.models.gpt import layer_offset, use_transformer_engine
+from engine.models.hf_config import ModelArchitecture, architecture_from_hf
+from engine.models.weight_mapping import (
+    ParamMapping,
+    global_megatron_name,
+    hf_from_shards,
+    mappings_by_megatron_name,
+    shard_from_hf,
+    weight_mappings,
+)
+from parallel.state import device
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+# Files besides the weights that make a folder loadable by HF / SGLang (tokenizer, templates).
+NON_WEIGHT_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+    "generation_config.json",
+)
+_FAMILY_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model; the message names the folder and tensor."""
+
+
+class SafetensorsCheckpoint:
+    """Read access to the tensors of an HF safetensors folder, by slice."""
+
+    def __init__(self, hf_dir: str | Path) -> None:
+        from safetensors import safe_open
+
+        self.hf_dir = Path(hf_dir)
+        self._safe_open = safe_open
+        index = self.hf_dir / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(path.name for path in self.hf_dir.glob("*.safetensors"))
+            weight_map = None
+        if not files:
+            raise CheckpointError(f"{self.hf_dir}: no *.safetensors files (and no {INDEX_FILE})")
+        self._file_of: dict[str, Path] = {}
+        self._shape_of: dict[str, tuple[int, ...]] = {}
+        for file_name in files:
+            path = self.hf_dir / file_name
+            if not path.is_file():
+                raise CheckpointError(f"{self.hf_dir}: {file_name} is listed in {INDEX_FILE} but missing")
+            with safe_open(path, framework="pt", device="cpu") as handle:  # reads the header only
+                for name in handle.keys():
+                    if weight_map is None or weight_map.get(name) == file_name:
+                        self._file_of[name] = path
+                        self._shape_of[name] = tuple(handle.get_slice(name).get_shape())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def names(self) -> list[str]:
+        return list(self._file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shape_of[name]
+
+    def read(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """The tensor ``name`` narrowed to [start, stop) along ``dim`` (a ``SliceReader``)."""
+        if name not in self._file_of:
+            raise CheckpointError(f"{self.hf_dir}: tensor {name!r} not found")
+        index = (slice(None),) * dim + (slice(start, stop),)
+        # Opened per read: the mapping (and the pages it touched) is released right after.
+        with self._safe_open(self._file_of[name], framework="pt", device="cpu") as handle:
+            return handle.get_slice(name)[index]
+
+
+def _is_critic(model_chunks: Sequence[torch.nn.Module]) -> bool:
+    return bool(getattr(model_chunks[0], "has_value_head", False))
+
+
+def _chunk_architecture(model_chunks: Sequence[torch.nn.Module]) -> ModelArchitecture:
+    if not model_chunks or not hasattr(model_chunks[0], "hf_architecture"):
+        raise ValueError("model_chunks must come from engine.models.gpt.build_model_chunks")
+    return model_chunks[0].hf_architecture
+
+
+def _entries_for(model_chunks: Sequence[torch.nn.Module]) -> dict[str, ParamMapping]:
+    return mappings_by_megatron_name(
+        _chunk_architecture(model_chunks),
+        transformer_engine=use_transformer_engine(),
+        value_head=_is_critic(model_chunks),
+    )
+
+
+def _named_global_parameters(model_chunks: Sequence[torch.nn.Module], entries: dict[str, ParamMapping]):
+    """(global megatron name, entry, parameter) for every parameter of this rank's chunks."""
+    for chunk in model_chunks:
+        offset = layer_offset(chunk)
+        for local_name, param in chunk.named_parameters():
+            name = global_megatron_name(local_name, offset)
+            if name not in entries:
+                raise CheckpointError(f"megatron parameter {name} has no HF mapping (unexpected layer spec?)")
+            yield name, entries[name], param
+
+
+def _check_same_architecture(model: ModelArchitecture, checkpoint: ModelArchitecture, hf_dir: Path) -> None:
+    fields = ("model_type", "vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
+              "num_query_groups", "kv_channels", "tie_word_embeddings", "add_qkv_bias")
+    different = [f"{f}: model {getattr(model, f)} vs checkpoint {getattr(checkpoint, f)}"
+                 for f in fields if getattr(model, f) != getattr(checkpoint, f)]
+    if different:
+        raise CheckpointError(f"{hf_dir}/config.json does not describe the built model: " + "; ".join(different))
+
+
+@torch.no_grad()
+def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | Path) -> list[str]:
+    """Copy an HF safetensors checkpoint into this rank's model chunks, reading only owned slices.
+
+    Returns the megatron names left as initialised because the checkpoint lacks them (only the
+    critic's value head may be missing, e.g. when a critic starts from an actor checkpoint).
+    """
+    from megatron.core import parallel_state
+
+    hf_dir = Path(hf_dir)
+    architecture = _chunk_architecture(model_chunks)
+    _check_same_architecture(architecture, architecture_from_hf(hf_dir), hf_dir)
+    checkpoint = SafetensorsCheckpoint(hf_dir)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    missing_optional = []
+    for name, entry, param in _named_global_parameters(model_chunks, _entries_for(model_chunks)):
+        absent = [hf_name for hf_name in entry.hf_names if hf_name not in checkpoint]
+        if absent:
+            if entry.optional:
+                missing_optional.append(name)
+                continue
+            raise CheckpointError(f"{hf_dir}: tensor {absent[0]!r} (for megatron {name}) not in the checkpoint")
+        for hf_name, expected in zip(entry.hf_names, entry.hf_shapes):
+            if checkpoint.shape(hf_name) != expected:
+                raise CheckpointError(
+                    f"{hf_dir}: tensor {hf_name!r} has shape {checkpoint.shape(hf_name)}, config.json implies {expected}"
+                )
+        shard = shard_from_hf(entry, architecture, checkpoint.read, tp_rank, tp_size)
+        if tuple(shard.shape) != tuple(param.shape):  # a mapping bug, not a user error
+            raise AssertionError(f"{name}: shard {tuple(shard.shape)} != parameter {tuple(param.shape)}")
+        param.copy_(shard)
+    if missing_optional:
+        logger.info("%s has no %s; kept their initial values", hf_dir, ", ".join(missing_optional))
+    return missing_optional
+
+
+@torch.no_grad()
+def _gather_local_hf_tensors(model_chunks, entries) -> dict[str, torch.Tensor]:
+    """HF tensors of this pipeline stage, complete on TP rank 0 of data/context-parallel rank 0."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_data_parallel_rank(with_context_parallel=True) != 0:
+        return {}
+    architecture = _chunk_architecture(model_chunks)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    local: dict[str, torch.Tensor] = {}
+    for name, entry, param in _named_global_parameters(model_chunks, entries):
+        if not entry.exported:
+            continue
+        tensor = param.detach().contiguous()
+        if entry.tensor_parallel_dim is None or tp_size == 1:
+            shards = [tensor]
+        else:
+            shards = [torch.empty_like(tensor) for _ in range(tp_size)]
+            dist.all_gather(shards, tensor, group=tp_group)
+        if tp_rank == 0:
+            local.update({hf_name: t.cpu() for hf_name, t in hf_from_shards(entry, architecture, shards).items()})
+    return local
+
+
+def export_hf_state_dict(
+    model_chunks: Sequence[torch.nn.Module], *, destination_rank: int | None = 0
+) -> dict[str, torch.Tensor]:
+    """The full HF state dict (HF names, HF layout, CPU tensors) of the distributed model.
+
+    Collective over the whole world. The dict is returned on ``destination_rank`` ({} elsewhere),
+    or on every rank with ``destination_rank=None``. Tied models have no ``lm_head.weight``, as HF
+    saves them; the critic's value head is ``score.weight`` / ``score.bias``.
+    """
+    entries = _entries_for(model_chunks)
+    local = _gather_local_hf_tensors(model_chunks, entries)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    manifests: list[list[tuple[str, tuple[int, ...], torch.dtype]] | None] = [None] * world
+    dist.all_gather_object(manifests, [(name, tuple(t.shape), t.dtype) for name, t in local.items()])
+    comm_device = device()  # NCCL moves GPU tensors only
+    received: dict[str, torch.Tensor] = {}
+    for source, manifest in enumerate(manifests):
+        for name, shape, dtype in manifest:
+            if destination_rank is None:
+                buffer = local[name].to(comm_device) if rank == source else torch.empty(shape, dtype=dtype, device=comm_device)
+                dist.broadcast(buffer, src=source)
+                received[name] = buffer.cpu()
+            elif source == destination_rank:
+                if rank == destination_rank:
+                    received[name] = local[name]
+            elif rank == source:
+                dist.send(local[name].to(comm_device), dst=destination_rank)
+            elif rank == destination_rank:
+                buffer = torch.empty(shape, dtype=dtype, device=comm_device)
+                dist.recv(buffer, src=source)
+                received[name] = buffer.cpu()
+    if destination_rank is not None and rank != destination_rank:
+        return {}
+    expected = [name for entry in weight_mappings(
+        _chunk_architecture(model_chunks), transformer_engine=use_transformer_engine(),
+        value_head=_is_critic(model_chunks)) if entry.exported for name in entry.hf_names]
+    missing = [name for name in expected if name not in received]
+    if missing:
+        raise AssertionError(f"export is missing {missing[:5]} ({len(missing)} tensors)")
+    return {name: received[name] for name in expected}
+
+
+def hf_config_for_export(architecture: ModelArchitecture, *, value_head: bool):
+    """The HF config to save beside exported weights (a critic saves as *ForTokenClassification)."""
+    config = copy.deepcopy(architecture.source_config)
+    prefix = _FAMILY_CLASS_PREFIX[architecture.model_type]
+    if value_head:
+        config.num_labels = 1
+        config.architectures = [f"{prefix}ForTokenClassification"]
+    else:
+        config.architectures = [f"{prefix}ForCausalLM"]
+    return config
+
+
+def _shards_by_size(names: Iterable[str], state_dict: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        nbytes = state_dict[name].numel() * state_dict[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def save_hf_checkpoint(
+    model_chunks: Sequence[torch.nn.Module],
+    out_dir: str | Path,
+    *,
+    copy_non_weight_files_from: str | Path | None = None,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> None:
+    """Write the distributed model as an HF folder (config.json + safetensors, sharded with an
+    index above ``max_shard_bytes``). Collective; global rank 0 writes.
+
+    ``copy_non_weight_files_from``: an HF folder whose tokenizer / generation config files are
+    copied, so the result loads in HF or SGLang as is.
+    """
+    from safetensors.torch import save_file
+
+    state_dict = export_hf_state_dict(model_chunks, destination_rank=0)
+    if dist.get_rank() == 0:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        shards = _shards_by_size(state_dict, state_dict, max_shard_bytes)
+        if len(shards) == 1:
+            save_file(state_dict, out_dir / "model.safetensors", metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for number, names in enumerate(shards, start=1):
+                file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+                save_file({n: state_dict[n] for n in names}, out_dir / file_name, metadata={"format": "pt"})
+                weight_map.update({n: file_name for n in names})
+            total = sum(t.numel() * t.element_size() for t in state_dict.values())
+            (out_dir / INDEX_FILE).write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+            )
+        hf_config_for_export(
+            _chunk_architecture(model_chunks), value_head=_is_critic(model_chunks)
+        ).save_pretrained(out_dir)
+        if copy_non_weight_files_from is not None:
+            for file_name in NON_WEIGHT_FILES:
+                source = Path(copy_non_weight_files_from) / file_name
+                if source.is_file():
+                    shutil.copy2(source, out_dir / file_name)
+    dist.barrier()

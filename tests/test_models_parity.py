@@ -1,0 +1,71 @@
+"""Tiny random Llama and Qwen2 checkpoints in Megatron at TP1, TP2, PP2, TP2xPP2, PP2xVPP2 and
+TP2 with sequence parallelism (gloo).
+
+One 4-rank torchrun launch runs every layout of both families (tests/dist_workers/models_parity.py)
+against transformers' own forward pass on the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.distributed import run_torchrun
+
+LAYOUTS = ["1,1,0", "2,1,0", "1,2,0", "2,2,0", "1,2,2", "2,1,0,1"]  # tp,pp,vpp[,sequence parallel]
+CRITIC_LAYOUTS = ["2,2,0,1", "1,2,2"]
+
+
+def save_tiny_checkpoints(root):
+    """Llama: untied, GQA, llama3 rope scaling that acts at these lengths (original context 64).
+    Qwen2: tied embeddings, QKV bias. Vocab 100 is padded by Megatron at every TP size."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    configs = {
+        "llama": (LlamaForCausalLM, LlamaConfig(**common, rms_norm_eps=1e-5, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+        "qwen2": (Qwen2ForCausalLM, Qwen2Config(**common, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                                rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    }
+    torch.manual_seed(0)
+    dirs = []
+    for name, (model_class, config) in configs.items():
+        model = model_class(config)
+        with torch.no_grad():  # away from init values: norms != 1, biases != 0, larger weights
+            for param_name, param in model.named_parameters():
+                if param_name.endswith("bias"):
+                    param.normal_(0, 0.5)
+                elif param.dim() == 1:
+                    param.uniform_(0.5, 1.5)
+                else:
+                    param.normal_(0, 0.2)
+        model.save_pretrained(root / name)
+        dirs.append(root / name)
+    return dirs
+
+
+@pytest.mark.dist
+def test_hf_logits_round_trip_and_critic_at_every_layout(tmp_path):
+    dirs = save_tiny_checkpoints(tmp_path)
+    out = tmp_path / "results.json"
+    run_torchrun("models_parity.py", 4, [
+        "--hf-dirs", *map(str, dirs), "--layouts", *LAYOUTS, "--critic-layouts", *CRITIC_LAYOUTS,
+        "--work-dir", str(tmp_path), "--out", str(out),
+    ])
+    results = json.loads(out.read_text())
+    for family in ("llama", "qwen2"):
+        for layout in LAYOUTS:
+            measured = results[family][layout]
+            assert measured["max_abs_logit_diff"] <= 1e-4, (family, layout, measured)
+            assert measured["round_trip_bit_exact"], (family, layout)
+        first, second = (results[family][f"critic {layout}"] for layout in CRITIC_LAYOUTS)
+        assert first["values_shape"] == [4, 12]
+        assert first["max_abs_value_diff_vs_hf_hidden"] <= 1e-4
+        assert first["max_abs_value_diff_vs_hf_token_classification"] <= 1e-4
+        assert first["saved_files"] > 1  # the sharded save path with an index
+        assert second["max_abs_value_diff_vs_first_critic_layout"] <= 1e-4
