@@ -1,0 +1,105 @@
+"""Sections shared by the actor, reference and critic: the HF model, the optimizer, the layout."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omegaconf import MISSING
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+PARAM_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass
+class ModelSection:
+    """``*.model.*``: which Hugging Face checkpoint to train.
+
+    Attributes:
+        path: HF model folder (``config.json`` + safetensors).
+        tokenizer_path: tokenizer folder; null = ``path``.
+        trust_remote_code: let transformers run code shipped with the checkpoint.
+        use_remove_padding: pack the sequences of a micro-batch without padding (THD layout).
+        enable_gradient_checkpointing: recompute activations in the backward pass (less memory).
+        lora_rank: LoRA rank; 0 trains all weights.
+        lora_alpha: LoRA scaling numerator (the update is scaled by lora_alpha / lora_rank).
+    """
+
+    path: str = MISSING
+    tokenizer_path: str | None = None
+    trust_remote_code: bool = False
+    use_remove_padding: bool = True
+    enable_gradient_checkpointing: bool = False
+    lora_rank: int = 0
+    lora_alpha: int = 16
+
+
+@dataclass
+class OptimSection:
+    """``*.optim.*``: AdamW (Loshchilov & Hutter 2019) and its learning-rate schedule.
+
+    Attributes:
+        lr: peak learning rate.
+        betas: Adam's (beta1, beta2).
+        eps: Adam's epsilon.
+        weight_decay: decoupled weight decay.
+        lr_warmup_steps: linear warm-up length in optimizer steps; negative = use
+            ``lr_warmup_steps_ratio`` of the total steps.
+        lr_warmup_steps_ratio: warm-up as a fraction of the total optimizer steps.
+        lr_decay_style: "constant", "linear" or "cosine" decay after the warm-up.
+        min_lr: the learning rate the decay ends at.
+        max_grad_norm: clip the global gradient norm to this (verl: ``grad_clip``); 0 disables.
+    """
+
+    lr: float = 1e-6
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    lr_warmup_steps: int = -1
+    lr_warmup_steps_ratio: float = 0.0
+    lr_decay_style: str = "constant"
+    min_lr: float = 0.0
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class MegatronSection:
+    """``*.megatron.*``: the Megatron 3D layout and precision of one model.
+
+    The data-parallel size is derived: world_size / (tensor * pipeline * context).
+
+    Attributes:
+        tensor_model_parallel_size: ranks that split each layer's matrices.
+        pipeline_model_parallel_size: pipeline stages (consecutive blocks of layers).
+        virtual_pipeline_model_parallel_size: model chunks per pipeline stage (interleaved
+            schedule); null = not interleaved.
+        context_parallel_size: ranks that split each sequence.
+        expert_model_parallel_size: ranks that split the experts of MoE layers.
+        sequence_parallel: split the activations outside the tensor-parallel regions along the
+            sequence; only takes effect when tensor_model_parallel_size > 1 (with one TP rank there
+            is nothing to split), as in Megatron-LM.
+        use_distributed_optimizer: shard the optimizer state over the data-parallel ranks (ZeRO-1).
+        param_dtype: training precision of the weights: "bfloat16", "float16" or "float32".
+        seed: base seed of Megatron's model-parallel RNG (dropout, init).
+    """
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    sequence_parallel: bool = True
+    use_distributed_optimizer: bool = True
+    param_dtype: str = "bfloat16"
+    seed: int = 42
+
+    def layout(self):
+        """The ``parallel.layout.ParallelLayout`` of this section (sequence parallel only with TP > 1)."""
+        from parallel.layout import ParallelLayout
+
+        return ParallelLayout(
+            tensor_model_parallel_size=self.tensor_model_parallel_size,
+            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
+            context_parallel_size=self.context_parallel_size,
+            expert_model_parallel_size=self.expert_model_parallel_size,
+            sequence_parallel=self.sequence_parallel and self.tensor_model_parallel_size > 1,
+        )

@@ -1,0 +1,49 @@
+"""``trainer.*``: the cluster, the loop's length, checkpoints, logging."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LOGGERS = ("console", "tensorboard", "jsonl")
+DEVICES = ("auto", "cuda", "cpu")
+RESUME_MODES = ("auto", "disable", "resume_path")
+
+
+@dataclass
+class TrainerSection:
+    """``trainer.*``.
+
+    Attributes:
+        project_name, experiment_name: name the run (and its default directory).
+        nnodes: machines in the job.
+        n_gpus_per_node: ranks per machine (GPUs; CPU processes with ``device=cpu``).
+        device: "cuda", "cpu", or "auto" (cuda when available).
+        total_epochs: passes over the training prompts.
+        total_training_steps: stop after this many PPO iterations; null = ``total_epochs`` worth.
+        save_freq: checkpoint every this many iterations; -1 = only at the end.
+        test_freq: validate every this many iterations; -1 = never during training.
+        val_before_train: validate once before the first iteration.
+        max_ckpt_to_keep: keep only the newest this-many checkpoints; null keeps all.
+        resume_mode: "auto" resumes from the newest checkpoint in ``default_local_dir`` if any,
+            "disable" always starts fresh, "resume_path" resumes from ``resume_from_path``.
+        resume_from_path: the checkpoint directory for ``resume_mode=resume_path``.
+        default_local_dir: the run directory: checkpoints, logs, the resolved config.
+        logger: metric sinks, any of "console", "tensorboard", "jsonl".
+        seed: seed of everything not seeded elsewhere (sampling, init of new heads).
+    """
+
+    project_name: str = "trident"
+    experiment_name: str = "default"
+    nnodes: int = 1
+    n_gpus_per_node: int = 8
+    device: str = "auto"
+    total_epochs: int = 1
+    total_training_steps: int | None = None
+    save_freq: int = -1
+    test_freq: int = -1
+    val_before_train: bool = True
+    max_ckpt_to_keep: int | None = None
+    resume_mode: str = "auto"
+    resume_from_path: str | None = None
+    default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"
+    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
+    seed: int = 1

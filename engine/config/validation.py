@@ -1,0 +1,395 @@
+"""Cross-field checks of a typed :class:`ExperimentConfig`, run by :func:`load_config`.
+
+Each check raises :class:`ConfigError` with the numbers in conflict and a way out. Nothing here
+starts a process group: everything is decided from the config, the world size and, when the model
+folder exists locally, its HF ``config.json`` (read as plain JSON).
+
+Names of algorithm parts come from :mod:`engine.algo.registry`, rollout engines from
+:mod:`engine.rollout.factory`; both are imported here, lazily, because they pull in torch.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+from engine.config.actor_rollout_ref import ROLLOUT_DTYPES, ROLLOUT_MODES
+from engine.config.algorithm import GROUP_ESTIMATORS
+from engine.config.errors import ConfigError
+from engine.config.experiment import ExperimentConfig
+from engine.config.model import LR_DECAY_STYLES, PARAM_DTYPES, MegatronSection, OptimSection
+from engine.config.trainer import DEVICES, LOGGERS, RESUME_MODES
+
+logger = logging.getLogger(__name__)
+
+ACTOR = "actor_rollout_ref.actor"
+ROLLOUT = "actor_rollout_ref.rollout"
+
+
+def validate(config: ExperimentConfig, world_size: int | None = None) -> None:
+    """Raise :class:`ConfigError` on the first inconsistency of ``config``.
+
+    Args:
+        config: the typed experiment.
+        world_size: ranks of the job; None uses ``trainer.nnodes * trainer.n_gpus_per_node``.
+    """
+    _check_choices(config)
+    _check_ranges(config)
+    world, world_text = _world_size(config, world_size)
+    training_world, training_text = _training_world_size(config, world, world_text)
+    actor_megatron = config.actor_rollout_ref.actor.megatron
+    actor_dp = _data_parallel_size(f"{ACTOR}.megatron", actor_megatron, training_world, training_text)
+    _check_model_shape("actor_rollout_ref.model.path", config.actor_rollout_ref.model.path,
+                       f"{ACTOR}.megatron", actor_megatron,
+                       rollout_tensor_parallel_size=config.actor_rollout_ref.rollout.tensor_model_parallel_size)
+    _check_rollout(config)
+    _check_actor_batches(config, actor_dp)
+    if config.algorithm.uses_critic:
+        critic_dp = _data_parallel_size("critic.megatron", config.critic.megatron, training_world, training_text)
+        _check_model_shape("critic.model.path", config.critic.model.path, "critic.megatron", config.critic.megatron)
+        _check_critic_batches(config, critic_dp)
+
+
+# ----------------------------------------------------------------------------- names
+
+
+def _check_choices(config: ExperimentConfig) -> None:
+    from engine.algo import registry
+    from engine.data.config import TRUNCATION_MODES
+    from engine.rollout.factory import ROLLOUT_ENGINE_NAMES
+
+    arr, algorithm, trainer = config.actor_rollout_ref, config.algorithm, config.trainer
+    choices: list[tuple[str, Any, Sequence[str]]] = [
+        ("data.truncation", config.data.truncation, TRUNCATION_MODES),
+        (f"{ROLLOUT}.name", arr.rollout.name, ROLLOUT_ENGINE_NAMES),
+        (f"{ROLLOUT}.mode", arr.rollout.mode, ROLLOUT_MODES),
+        (f"{ROLLOUT}.dtype", arr.rollout.dtype, ROLLOUT_DTYPES),
+        ("algorithm.adv_estimator", algorithm.adv_estimator, registry.names("adv_estimator")),
+        ("algorithm.kl_penalty", algorithm.kl_penalty, registry.names("kl_estimator")),
+        ("algorithm.kl_ctrl.type", algorithm.kl_ctrl.type, registry.names("kl_controller")),
+        (f"{ACTOR}.kl_loss_type", arr.actor.kl_loss_type, registry.names("kl_estimator")),
+        (f"{ACTOR}.policy_loss.loss_mode", arr.actor.policy_loss.loss_mode, registry.names("policy_loss")),
+        (f"{ACTOR}.loss_agg_mode", arr.actor.loss_agg_mode, registry.names("loss_agg_mode")),
+        ("critic.loss_agg_mode", config.critic.loss_agg_mode, registry.names("loss_agg_mode")),
+        (f"{ACTOR}.optim.lr_decay_style", arr.actor.optim.lr_decay_style, LR_DECAY_STYLES),
+        ("critic.optim.lr_decay_style", config.critic.optim.lr_decay_style, LR_DECAY_STYLES),
+        (f"{ACTOR}.megatron.param_dtype", arr.actor.megatron.param_dtype, PARAM_DTYPES),
+        ("critic.megatron.param_dtype", config.critic.megatron.param_dtype, PARAM_DTYPES),
+        ("trainer.device", trainer.device, DEVICES),
+        ("trainer.resume_mode", trainer.resume_mode, RESUME_MODES),
+    ]
+    choices += [(f"trainer.logger[{i}]", name, LOGGERS) for i, name in enumerate(trainer.logger)]
+    for key, value, valid in choices:
+        if value not in valid:
+            close = difflib.get_close_matches(str(value), list(valid), n=1, cutoff=0.5)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{key}={value!r} is not a valid choice.{hint} Valid values: {', '.join(valid)}.")
+    if len(set(trainer.logger)) != len(trainer.logger):
+        raise ConfigError(f"trainer.logger={trainer.logger} names a logger twice; list each once.")
+
+
+# ----------------------------------------------------------------------------- single values
+
+
+def _require(condition: bool, key: str, value: Any, requirement: str) -> None:
+    if not condition:
+        raise ConfigError(f"{key}={value!r}: must be {requirement}.")
+
+
+def _check_positive(owner: Any, prefix: str, names: Sequence[str], allow_none: bool = False) -> None:
+    for name in names:
+        value = getattr(owner, name)
+        if value is None and allow_none:
+            continue
+        _require(value is not None and value >= 1, f"{prefix}.{name}", value,
+                 ">= 1" + (" or null" if allow_none else ""))
+
+
+def _check_optim(prefix: str, optim: OptimSection) -> None:
+    _require(optim.lr >= 0, f"{prefix}.lr", optim.lr, ">= 0")
+    _require(len(optim.betas) == 2 and all(0 <= beta < 1 for beta in optim.betas), f"{prefix}.betas",
+             optim.betas, "two numbers in [0, 1), e.g. [0.9, 0.999]")
+    _require(optim.eps > 0, f"{prefix}.eps", optim.eps, "> 0")
+    _require(optim.weight_decay >= 0, f"{prefix}.weight_decay", optim.weight_decay, ">= 0")
+    _require(0 <= optim.lr_warmup_steps_ratio <= 1, f"{prefix}.lr_warmup_steps_ratio",
+             optim.lr_warmup_steps_ratio, "in [0, 1]")
+    _require(0 <= optim.min_lr <= optim.lr, f"{prefix}.min_lr", optim.min_lr, f"in [0, lr={optim.lr}]")
+    _require(optim.max_grad_norm >= 0, f"{prefix}.max_grad_norm", optim.max_grad_norm, ">= 0 (0 disables clipping)")
+
+
+def _check_sampling(prefix: str, sampling: Any) -> None:
+    _check_positive(sampling, prefix, ("n",))
+    _require(sampling.temperature >= 0, f"{prefix}.temperature", sampling.temperature, ">= 0")
+    _require(0 < sampling.top_p <= 1, f"{prefix}.top_p", sampling.top_p, "in (0, 1]")
+    _require(sampling.top_k == -1 or sampling.top_k >= 1, f"{prefix}.top_k", sampling.top_k, "-1 (off) or >= 1")
+
+
+def _check_ranges(config: ExperimentConfig) -> None:
+    data, arr, critic = config.data, config.actor_rollout_ref, config.critic
+    actor, rollout, algorithm, trainer = arr.actor, arr.rollout, config.algorithm, config.trainer
+    _require(len(data.train_files) > 0, "data.train_files", data.train_files, "at least one Parquet file")
+    _check_positive(data, "data", ("train_batch_size", "max_prompt_length", "max_response_length"))
+    _check_positive(data, "data", ("val_batch_size",), allow_none=True)
+    for prefix, model in (("actor_rollout_ref.model", arr.model), ("critic.model", critic.model)):
+        _require(model.lora_rank >= 0, f"{prefix}.lora_rank", model.lora_rank, ">= 0 (0 disables LoRA)")
+        _require(model.lora_rank == 0 or model.lora_alpha > 0, f"{prefix}.lora_alpha", model.lora_alpha, "> 0")
+    _check_positive(actor, ACTOR, ("ppo_epochs", "ppo_mini_batch_size", "ppo_max_token_len_per_gpu"))
+    _check_positive(actor, ACTOR, ("ppo_micro_batch_size_per_gpu",), allow_none=True)
+    _require(actor.clip_ratio > 0, f"{ACTOR}.clip_ratio", actor.clip_ratio, "> 0")
+    for name in ("clip_ratio_low", "clip_ratio_high"):
+        value = getattr(actor, name)
+        _require(value is None or value > 0, f"{ACTOR}.{name}", value, "> 0 or null (= clip_ratio)")
+    low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
+    _require(low < 1, f"{ACTOR}.clip_ratio_low", low, "< 1 (the ratio is clipped below at 1 - clip_ratio_low)")
+    _require(actor.clip_ratio_c is None or actor.clip_ratio_c > 1, f"{ACTOR}.clip_ratio_c", actor.clip_ratio_c,
+             "> 1 (the dual-clip bound) or null to disable dual-clip")
+    _require(actor.kl_loss_coef >= 0, f"{ACTOR}.kl_loss_coef", actor.kl_loss_coef, ">= 0")
+    _check_optim(f"{ACTOR}.optim", actor.optim)
+    _check_positive(arr.ref, "actor_rollout_ref.ref", ("log_prob_max_token_len_per_gpu",))
+    _check_positive(arr.ref, "actor_rollout_ref.ref", ("log_prob_micro_batch_size_per_gpu",), allow_none=True)
+    _check_positive(rollout, ROLLOUT, ("tensor_model_parallel_size", "update_weights_bucket_megabytes",
+                                       "log_prob_max_token_len_per_gpu"))
+    _check_positive(rollout, ROLLOUT, ("log_prob_micro_batch_size_per_gpu",), allow_none=True)
+    _require(0 < rollout.gpu_memory_utilization <= 1, f"{ROLLOUT}.gpu_memory_utilization",
+             rollout.gpu_memory_utilization, "in (0, 1]")
+    _require(rollout.num_gpus >= 0, f"{ROLLOUT}.num_gpus", rollout.num_gpus, ">= 0")
+    _check_sampling(ROLLOUT, rollout)
+    _check_sampling(f"{ROLLOUT}.val_kwargs", rollout.val_kwargs)
+    if algorithm.uses_critic:
+        _check_positive(critic, "critic", ("ppo_epochs", "ppo_mini_batch_size", "ppo_max_token_len_per_gpu"))
+        _check_positive(critic, "critic", ("ppo_micro_batch_size_per_gpu",), allow_none=True)
+        _require(critic.cliprange_value > 0, "critic.cliprange_value", critic.cliprange_value, "> 0")
+        _require(critic.warmup_steps >= 0, "critic.warmup_steps", critic.warmup_steps, ">= 0")
+        _check_optim("critic.optim", critic.optim)
+    for name in ("gamma", "lam"):
+        value = getattr(algorithm, name)
+        _require(0 <= value <= 1, f"algorithm.{name}", value, "in [0, 1]")
+    kl_ctrl = algorithm.kl_ctrl
+    _require(kl_ctrl.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", kl_ctrl.kl_coef, ">= 0")
+    _require(kl_ctrl.target_kl > 0, "algorithm.kl_ctrl.target_kl", kl_ctrl.target_kl, "> 0")
+    _require(kl_ctrl.horizon > 0, "algorithm.kl_ctrl.horizon", kl_ctrl.horizon, "> 0")
+    if algorithm.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
+        raise ConfigError(
+            f"algorithm.adv_estimator={algorithm.adv_estimator!r} compares the responses to the same prompt, "
+            f"but {ROLLOUT}.n={rollout.n} samples one per prompt, so every advantage would be 0; "
+            f"set {ROLLOUT}.n to 2 or more (4-16 is usual)."
+        )
+    _check_positive(trainer, "trainer", ("nnodes", "n_gpus_per_node", "total_epochs"))
+    _check_positive(trainer, "trainer", ("total_training_steps", "max_ckpt_to_keep"), allow_none=True)
+    for name in ("save_freq", "test_freq"):
+        value = getattr(trainer, name)
+        _require(value == -1 or value >= 1, f"trainer.{name}", value, "-1 (off) or >= 1 (every that many steps)")
+    if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
+        raise ConfigError("trainer.resume_mode='resume_path' needs trainer.resume_from_path=CHECKPOINT_DIR "
+                          "(or use resume_mode=auto to resume from the newest checkpoint in default_local_dir).")
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def _world_size(config: ExperimentConfig, world_size: int | None) -> tuple[int, str]:
+    trainer = config.trainer
+    if world_size is None:
+        world = trainer.nnodes * trainer.n_gpus_per_node
+        return world, (f"world size {world} = trainer.nnodes ({trainer.nnodes}) x trainer.n_gpus_per_node "
+                       f"({trainer.n_gpus_per_node})")
+    if world_size < 1:
+        raise ConfigError(f"world size {world_size}: must be >= 1.")
+    return world_size, f"world size {world_size}"
+
+
+def _training_world_size(config: ExperimentConfig, world: int, world_text: str) -> tuple[int, str]:
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.mode == "colocated":
+        if rollout.num_gpus:
+            raise ConfigError(
+                f"{ROLLOUT}.num_gpus={rollout.num_gpus} only applies to {ROLLOUT}.mode=disaggregated; a "
+                f"colocated engine shares the training GPUs. Set num_gpus=0 or mode=disaggregated."
+            )
+        return world, world_text
+    if rollout.name != "sglang":
+        raise ConfigError(f"{ROLLOUT}.mode=disaggregated needs {ROLLOUT}.name=sglang (the {rollout.name!r} engine "
+                          "runs inside the trainer processes).")
+    if not 0 < rollout.num_gpus < world:
+        raise ConfigError(
+            f"{ROLLOUT}.mode=disaggregated: {ROLLOUT}.num_gpus={rollout.num_gpus} must leave GPUs for both "
+            f"sides of the {world_text}: 0 < num_gpus < {world}."
+        )
+    training = world - rollout.num_gpus
+    return training, f"training world size {training} = {world_text} - {ROLLOUT}.num_gpus ({rollout.num_gpus})"
+
+
+def _data_parallel_size(key: str, megatron: MegatronSection, world: int, world_text: str) -> int:
+    """dp = world / (tp * pp * cp), after parallel.layout's checks (translated to ConfigError)."""
+    from parallel.layout import LayoutError
+
+    layout = megatron.layout()
+    try:
+        return layout.data_parallel_size(world)
+    except LayoutError as error:
+        message = f"{key}: {error}."
+        if world % layout.model_parallel_size == 0:
+            raise ConfigError(message) from None
+        tp, pp, cp = (megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
+                      megatron.context_parallel_size)
+        raise ConfigError(
+            f"{message} The ranks must factor as world_size = tp * pp * cp * dp, with the data-parallel size dp "
+            f"derived as {world} / ({tp} * {pp} * {cp}) ({world_text}); change {key}.tensor_model_parallel_size, "
+            "pipeline_model_parallel_size or context_parallel_size, or the number of ranks."
+        ) from None
+
+
+def _read_model_shape(path_key: str, model_path: str) -> dict[str, Any] | None:
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        logger.debug("%s=%s has no config.json here; skipping the head/layer divisibility checks",
+                     path_key, model_path)
+        return None
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{config_file} (from {path_key}) is not readable JSON: {error}.") from None
+    if "num_attention_heads" not in hf_config or "num_hidden_layers" not in hf_config:
+        logger.debug("%s lacks num_attention_heads/num_hidden_layers; skipping the head/layer checks", config_file)
+        return None
+    heads = int(hf_config["num_attention_heads"])
+    return {"num_attention_heads": heads,
+            "num_key_value_heads": int(hf_config.get("num_key_value_heads") or heads),
+            "num_hidden_layers": int(hf_config["num_hidden_layers"]),
+            "source": str(config_file)}
+
+
+def _divisors(number: int) -> str:
+    return ", ".join(str(d) for d in range(1, number + 1) if number % d == 0)
+
+
+def _check_model_shape(path_key: str, model_path: str, megatron_key: str, megatron: MegatronSection,
+                       rollout_tensor_parallel_size: int | None = None) -> None:
+    shape = _read_model_shape(path_key, model_path)
+    if shape is None:
+        return
+    heads, kv_heads, layers, source = (shape["num_attention_heads"], shape["num_key_value_heads"],
+                                       shape["num_hidden_layers"], shape["source"])
+    tp = megatron.tensor_model_parallel_size
+    if heads % tp or kv_heads % tp:
+        raise ConfigError(
+            f"{megatron_key}.tensor_model_parallel_size={tp} must divide the model's num_attention_heads={heads} "
+            f"and num_key_value_heads={kv_heads} (from {source}): each TP rank holds whole heads. "
+            f"Valid TP sizes for this model: {_divisors(math.gcd(heads, kv_heads))}."
+        )
+    pp = megatron.pipeline_model_parallel_size
+    vpp = megatron.virtual_pipeline_model_parallel_size or 1
+    if layers % (pp * vpp):
+        raise ConfigError(
+            f"The model's num_hidden_layers={layers} (from {source}) must be divisible by "
+            f"{megatron_key}.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = {pp} x {vpp} = "
+            f"{pp * vpp}, so every model chunk gets the same number of layers. Choose pp * vpp among: "
+            f"{_divisors(layers)}."
+        )
+    rollout_tp = rollout_tensor_parallel_size
+    # SGLang splits query heads evenly and replicates KV heads when there are fewer than TP ranks.
+    if rollout_tp is not None and (heads % rollout_tp or (kv_heads % rollout_tp and rollout_tp % kv_heads)):
+        raise ConfigError(
+            f"{ROLLOUT}.tensor_model_parallel_size={rollout_tp} must divide the model's num_attention_heads={heads}, "
+            f"and num_key_value_heads={kv_heads} must divide it or be divisible by it (from {source}). "
+            f"Valid generation TP sizes divide {heads}: {_divisors(heads)}."
+        )
+
+
+def _check_rollout(config: ExperimentConfig) -> None:
+    rollout = config.actor_rollout_ref.rollout
+    megatron = config.actor_rollout_ref.actor.megatron
+    rollout_tp = rollout.tensor_model_parallel_size
+    if rollout.name == "torch" and rollout_tp != 1:
+        raise ConfigError(
+            f"{ROLLOUT}.name=torch generates inside each trainer process without tensor parallelism; set "
+            f"{ROLLOUT}.tensor_model_parallel_size=1 (got {rollout_tp}) or use name=sglang."
+        )
+    if rollout.mode == "disaggregated":
+        if rollout.num_gpus % rollout_tp:
+            raise ConfigError(
+                f"{ROLLOUT}.num_gpus={rollout.num_gpus} must be a multiple of {ROLLOUT}.tensor_model_parallel_size="
+                f"{rollout_tp}: each engine replica takes {rollout_tp} GPUs."
+            )
+        return
+    tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
+    if (tp * pp) % rollout_tp:
+        raise ConfigError(
+            f"{ROLLOUT}.tensor_model_parallel_size={rollout_tp} must divide the actor's training model-parallel size "
+            f"tp * pp = {tp} * {pp} = {tp * pp}: colocated generation splits each training model-parallel group "
+            f"into (tp * pp) / rollout_tp engine replicas. Use a generation TP among {_divisors(tp * pp)}, or "
+            f"raise {ACTOR}.megatron.tensor_model_parallel_size."
+        )
+
+
+# ----------------------------------------------------------------------------- batch sizes
+
+
+def _check_ppo_batches(prefix: str, section: Any, dp: int, dynamic: bool, config: ExperimentConfig) -> None:
+    """Rollout batch -> mini-batches (optimizer steps) -> per-rank micro-batches must all divide."""
+    batch, n = config.data.train_batch_size, config.actor_rollout_ref.rollout.n
+    mini, micro = section.ppo_mini_batch_size, section.ppo_micro_batch_size_per_gpu
+    sequences = batch * n
+    if sequences % dp:
+        raise ConfigError(
+            f"data.train_batch_size * {ROLLOUT}.n = {batch} * {n} = {sequences} sequences must split evenly over "
+            f"the {prefix} data-parallel size dp = {dp}; make the product a multiple of {dp}."
+        )
+    if mini > batch or batch % mini:
+        raise ConfigError(
+            f"data.train_batch_size={batch} must be a multiple of {prefix}.ppo_mini_batch_size={mini} (both count "
+            f"prompts; each PPO epoch makes train_batch_size / ppo_mini_batch_size optimizer steps)."
+        )
+    mini_sequences = mini * n
+    if not dynamic and micro is None:
+        raise ConfigError(
+            f"{prefix}.ppo_micro_batch_size_per_gpu is not set: set it (sequences per forward/backward on one "
+            f"rank) or set {prefix}.use_dynamic_bsz=true to batch by {prefix}.ppo_max_token_len_per_gpu."
+        )
+    step = dp if dynamic else micro * dp
+    if mini_sequences % step:
+        detail = (f"the data-parallel size dp = {dp}" if dynamic else
+                  f"{prefix}.ppo_micro_batch_size_per_gpu * dp = {micro} * {dp} = {step}")
+        raise ConfigError(
+            f"{prefix}.ppo_mini_batch_size * {ROLLOUT}.n = {mini} * {n} = {mini_sequences} sequences per mini-batch "
+            f"must be divisible by {detail}, so every rank runs whole micro-batches; change "
+            f"ppo_mini_batch_size, ppo_micro_batch_size_per_gpu or rollout.n."
+        )
+    if dynamic:
+        _check_token_budget(f"{prefix}.ppo_max_token_len_per_gpu", section.ppo_max_token_len_per_gpu, config)
+
+
+def _check_token_budget(key: str, budget: int, config: ExperimentConfig) -> None:
+    longest = config.data.max_prompt_length + config.data.max_response_length
+    if budget < longest:
+        raise ConfigError(
+            f"{key}={budget} is smaller than one full sequence, data.max_prompt_length + data.max_response_length = "
+            f"{config.data.max_prompt_length} + {config.data.max_response_length} = {longest}; raise it to at "
+            f"least {longest} (2-4x is usual)."
+        )
+
+
+def _check_log_prob_batches(prefix: str, section: Any, dynamic: bool, config: ExperimentConfig) -> None:
+    if dynamic:
+        _check_token_budget(f"{prefix}.log_prob_max_token_len_per_gpu", section.log_prob_max_token_len_per_gpu, config)
+    elif section.log_prob_micro_batch_size_per_gpu is None:
+        raise ConfigError(
+            f"{prefix}.log_prob_micro_batch_size_per_gpu is not set (it defaults to "
+            f"{ACTOR}.ppo_micro_batch_size_per_gpu); set either, or {ACTOR}.use_dynamic_bsz=true."
+        )
+
+
+def _check_actor_batches(config: ExperimentConfig, actor_dp: int) -> None:
+    arr = config.actor_rollout_ref
+    dynamic = arr.actor.use_dynamic_bsz
+    _check_ppo_batches(ACTOR, arr.actor, actor_dp, dynamic, config)
+    _check_log_prob_batches(ROLLOUT, arr.rollout, dynamic, config)
+    if arr.actor.use_kl_loss or config.algorithm.use_kl_in_reward:
+        _check_log_prob_batches("actor_rollout_ref.ref", arr.ref, dynamic, config)
+
+
+def _check_critic_batches(config: ExperimentConfig, critic_dp: int) -> None:
+    _check_ppo_batches("critic", config.critic, critic_dp, config.critic.use_dynamic_bsz, config)

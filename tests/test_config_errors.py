@@ -1,0 +1,343 @@
+"""engine.config: every class of mistake is one ConfigError whose message names the key and the fix."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.algo import registry
+from engine.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "yaml" / "demo_cpu.yaml"
+QWEN_7B = REPO / "yaml" / "qwen2.5-7b_gsm8k.yaml"
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A model folder whose config.json has SmolLM2-135M's shape: 9 heads, 3 KV heads, 30 layers."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(
+        {"num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30}))
+    return str(folder)
+
+
+def error_of(path, overrides=(), world_size=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides), world_size)
+    message = str(info.value)
+    assert "\n\n" not in message and "Traceback" not in message
+    return message
+
+
+def write(tmp_path, text: str) -> Path:
+    path = tmp_path / "experiment.yaml"
+    path.write_text(text)
+    return path
+
+
+MINIMAL = "data:\n  train_files: prompts.parquet\nactor_rollout_ref:\n  model:\n    path: m\n  actor:\n" \
+          "    ppo_micro_batch_size_per_gpu: 4\n"
+
+
+# ----------------------------------------------------------------------------- unknown keys
+
+
+def test_unknown_key_in_file_names_file_line_and_closest_key(tmp_path):
+    path = write(tmp_path, MINIMAL + "trainer:\n  n_gpus_per_node: 8\n  total_epoch: 3\n")
+    message = error_of(path)
+    assert "'trainer.total_epoch'" in message
+    assert f"{path}, line 10" in message
+    assert "Did you mean 'trainer.total_epochs'?" in message
+
+
+def test_unknown_key_in_override_suggests_typo_fix():
+    message = error_of(DEMO, ["actor_rollout_ref.actor.ppo_mini_batchsize=4"])
+    assert "'actor_rollout_ref.actor.ppo_mini_batchsize'" in message
+    assert "override 'actor_rollout_ref.actor.ppo_mini_batchsize=4'" in message
+    assert "Did you mean 'actor_rollout_ref.actor.ppo_mini_batch_size'?" in message
+
+
+def test_key_in_the_wrong_section_points_to_the_right_one():
+    message = error_of(DEMO, ["actor_rollout_ref.rollout.ppo_epochs=2"])
+    assert "Did you mean 'actor_rollout_ref.actor.ppo_epochs'?" in message
+    message = error_of(DEMO, ["actor.clip_ratio=0.1"])
+    assert "Unknown config key 'actor'" in message and "'actor_rollout_ref.actor'" in message
+
+
+def test_verl_names_map_to_ours():
+    message = error_of(DEMO, ["actor_rollout_ref.actor.grad_clip=1.0"])
+    assert "Did you mean 'actor_rollout_ref.actor.optim.max_grad_norm'" in message
+    message = error_of(DEMO, ["actor_rollout_ref.rollout.response_length=128"])
+    assert "'data.max_response_length'" in message
+
+
+# ----------------------------------------------------------------------------- types and syntax
+
+
+@pytest.mark.parametrize("override, key, given, expected", [
+    ("data.train_batch_size=0.5", "'data.train_batch_size'", "got 0.5", "expected an integer"),
+    ("data.train_batch_size=many", "'data.train_batch_size'", "got 'many'", "expected an integer"),
+    ("actor_rollout_ref.actor.optim.lr=fast", "'actor_rollout_ref.actor.optim.lr'", "got 'fast'", "expected a number"),
+    ("data.shuffle=maybe", "'data.shuffle'", "got 'maybe'", "expected true or false"),
+    ("actor_rollout_ref.actor.optim.betas=0.9", "'actor_rollout_ref.actor.optim.betas'", "got 0.9",
+     "expected a list of numbers"),
+    ("actor_rollout_ref.actor.optim.betas=[0.9,high]", "'actor_rollout_ref.actor.optim.betas[1]'", "got 'high'",
+     "expected a number"),
+    ("data.max_prompt_length=null", "'data.max_prompt_length'", "got None", "expected an integer"),
+])
+def test_wrong_type_names_key_value_and_expected_type(override, key, given, expected):
+    message = error_of(DEMO, [override])
+    assert message.startswith(f"Wrong type for {key}")
+    assert given in message and expected in message and f"override {override!r}" in message
+
+
+def test_wrong_type_in_file(tmp_path):
+    message = error_of(write(tmp_path, MINIMAL + "trainer:\n  nnodes: two\n"))
+    assert "'trainer.nnodes'" in message and "got 'two'" in message and "an integer" in message
+
+
+def test_section_given_a_value():
+    message = error_of(DEMO, ["trainer=5"])
+    assert "trainer is a section" in message and "trainer.KEY=VALUE" in message and "n_gpus_per_node" in message
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    path = write(tmp_path, "data:\n  train_files: [a.parquet\ntrainer:\n  nnodes: 1\n")
+    message = error_of(path)
+    assert message.startswith(f"YAML syntax error in {path}, line 3")
+
+
+def test_duplicate_key_is_a_syntax_error(tmp_path):
+    message = error_of(write(tmp_path, MINIMAL + "trainer:\n  nnodes: 1\n  nnodes: 2\n"))
+    assert "YAML syntax error" in message and "line 10" in message and "duplicate key nnodes" in message
+
+
+def test_malformed_overrides():
+    assert "not of the form dotted.key=value" in error_of(DEMO, ["data.train_batch_size"])
+    assert "Hydra prefixes" in error_of(DEMO, ["+trainer.seed=3"])
+    assert "not valid YAML" in error_of(DEMO, ["actor_rollout_ref.actor.optim.betas=[0.9,"])
+
+
+def test_missing_file_lists_the_experiments():
+    message = error_of(REPO / "yaml" / "demo.yaml")
+    assert "does not exist" in message and "demo_cpu.yaml" in message
+
+
+def test_empty_section_means_defaults(tmp_path):
+    config = load_config(write(tmp_path, MINIMAL + "critic:\n  # nothing set yet\ntrainer:\n  n_gpus_per_node: 2\n"))
+    assert config.critic.optim.lr == 1e-5 and config.trainer.n_gpus_per_node == 2
+
+
+def test_required_key_missing(tmp_path):
+    message = error_of(write(tmp_path, "data:\n  train_files: prompts.parquet\n"))
+    assert "'actor_rollout_ref.model.path' is required" in message
+
+
+def test_bad_interpolation():
+    message = error_of(DEMO, ["trainer.default_local_dir=runs/${trainer.no_such_key}"])
+    assert "'trainer.default_local_dir'" in message and "no_such_key" in message
+
+
+def test_section_post_init_check_becomes_config_error():
+    assert "reward_model.num_workers=-1" in error_of(DEMO, ["reward_model.num_workers=-1"])
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def test_world_size_not_divisible_by_model_parallel_size():
+    message = error_of(DEMO, ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                              "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"], world_size=6)
+    assert "actor_rollout_ref.actor.megatron" in message
+    assert "world_size = tp * pp * cp * dp" in message and "6 / (2 * 2 * 1)" in message
+
+
+def test_critic_layout_checked_when_gae_uses_it():
+    overrides = ["critic.megatron.tensor_model_parallel_size=4"]
+    message = error_of(DEMO, overrides)
+    assert message.startswith("critic.megatron:") and "2 / (4 * 1 * 1)" in message
+    # GRPO has no critic: its layout is not checked.
+    load_config(DEMO, overrides + ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2"])
+
+
+def test_heads_not_divisible_by_tensor_parallel_size(model_dir):
+    message = error_of(DEMO, [f"actor_rollout_ref.model.path={model_dir}",
+                              "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"], world_size=2)
+    assert "tensor_model_parallel_size=2" in message
+    assert "num_attention_heads=9" in message and "num_key_value_heads=3" in message
+    assert "Valid TP sizes for this model: 1, 3" in message
+
+
+def test_kv_heads_not_divisible_by_tensor_parallel_size(tmp_path):
+    folder = tmp_path / "gqa"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(
+        {"num_attention_heads": 12, "num_key_value_heads": 2, "num_hidden_layers": 4}))
+    message = error_of(DEMO, [f"actor_rollout_ref.model.path={folder}",
+                              "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
+                              "critic.megatron.tensor_model_parallel_size=4"], world_size=4)
+    assert "num_key_value_heads=2" in message and "Valid TP sizes for this model: 1, 2" in message
+
+
+def test_layers_not_divisible_by_pipeline_times_virtual_pipeline(model_dir):
+    message = error_of(DEMO, [f"actor_rollout_ref.model.path={model_dir}",
+                              "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+                              "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"],
+                       world_size=2)
+    assert "num_hidden_layers=30" in message and "2 x 2 = 4" in message
+
+
+def test_virtual_pipeline_needs_pipeline():
+    message = error_of(DEMO, ["actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"])
+    assert "virtual_pipeline_model_parallel_size > 1 needs pipeline_model_parallel_size > 1" in message
+
+
+def test_head_checks_skipped_without_config_json():
+    load_config(DEMO, ["actor_rollout_ref.model.path=/nonexistent/model",
+                       "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                       "critic.megatron.tensor_model_parallel_size=2"], world_size=2)
+
+
+# ----------------------------------------------------------------------------- batch sizes
+
+
+def test_batch_times_n_not_divisible_by_data_parallel_size():
+    message = error_of(DEMO, ["data.train_batch_size=9"], world_size=2)
+    assert "data.train_batch_size * actor_rollout_ref.rollout.n = 9 * 1 = 9" in message and "dp = 2" in message
+
+
+def test_batch_not_divisible_by_mini_batch():
+    message = error_of(DEMO, ["data.train_batch_size=24"], world_size=2)
+    assert "data.train_batch_size=24" in message and "ppo_mini_batch_size=16" in message
+
+
+def test_mini_batch_not_divisible_by_micro_batch_times_data_parallel():
+    message = error_of(DEMO, ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"], world_size=2)
+    assert "16 * 1 = 16 sequences per mini-batch" in message and "3 * 2 = 6" in message
+
+
+def test_rollout_n_multiplies_the_mini_batch():
+    # Micro-batches of 24 on each of 2 ranks (48) do not divide a mini-batch of 16 prompts x n=1, but do with n=3.
+    micro = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=24"
+    message = error_of(DEMO, [micro, "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8"])
+    assert "16 * 1 = 16 sequences" in message and "24 * 2 = 48" in message
+    load_config(DEMO, [micro, "actor_rollout_ref.rollout.n=3"])
+
+
+def test_critic_batches_checked_with_critic_data_parallel_size():
+    message = error_of(DEMO, ["critic.ppo_micro_batch_size_per_gpu=16"], world_size=2)
+    assert message.startswith("critic.ppo_mini_batch_size * actor_rollout_ref.rollout.n = 16 * 1 = 16")
+
+
+def test_micro_batch_required_without_dynamic_batching(tmp_path):
+    message = error_of(DEMO, ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null"])
+    assert "ppo_micro_batch_size_per_gpu is not set" in message and "use_dynamic_bsz=true" in message
+
+
+def test_dynamic_token_budget_must_hold_one_sequence():
+    message = error_of(DEMO, ["actor_rollout_ref.actor.use_dynamic_bsz=true",
+                              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=50"])
+    assert "ppo_max_token_len_per_gpu=50" in message and "64 + 16 = 80" in message
+
+
+# ----------------------------------------------------------------------------- rollout
+
+
+def test_generation_tp_must_divide_training_model_parallel_size():
+    message = error_of(QWEN_7B, ["actor_rollout_ref.rollout.tensor_model_parallel_size=8"], world_size=8)
+    assert "tensor_model_parallel_size=8" in message and "tp * pp = 4 * 1 = 4" in message
+    assert "1, 2, 4" in message
+
+
+def test_disaggregated_generation_tp_must_divide_engine_gpus():
+    # (Colocated, generation TP divides tp * pp and so the world size.)
+    message = error_of(QWEN_7B, ["actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+                                 "actor_rollout_ref.rollout.mode=disaggregated",
+                                 "actor_rollout_ref.rollout.num_gpus=2"], world_size=10)
+    assert "num_gpus=2 must be a multiple of" in message and "tensor_model_parallel_size=4" in message
+
+
+def test_generation_heads_divisible_by_generation_tp(model_dir):
+    message = error_of(DEMO, [f"actor_rollout_ref.model.path={model_dir}",
+                              "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+                              "critic.megatron.pipeline_model_parallel_size=2",
+                              "actor_rollout_ref.rollout.name=sglang",
+                              "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], world_size=2)
+    assert "rollout.tensor_model_parallel_size=2" in message and "num_attention_heads=9" in message
+
+
+def test_torch_engine_has_no_tensor_parallelism():
+    message = error_of(DEMO, ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                              "critic.megatron.tensor_model_parallel_size=2",
+                              "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                              "actor_rollout_ref.model.path=/nonexistent"], world_size=2)
+    assert "name=torch" in message and "tensor_model_parallel_size=1" in message
+
+
+def test_disaggregated_mode_takes_engine_gpus_out_of_the_world():
+    overrides = ["actor_rollout_ref.rollout.mode=disaggregated", "actor_rollout_ref.rollout.num_gpus=4",
+                 "actor_rollout_ref.rollout.tensor_model_parallel_size=4"]
+    config = load_config(QWEN_7B, overrides, world_size=12)  # trainer: 8 ranks = TP4 x DP2
+    assert config.actor_rollout_ref.rollout.num_gpus == 4
+    message = error_of(QWEN_7B, overrides, world_size=10)
+    assert "training world size 6 = world size 10 - actor_rollout_ref.rollout.num_gpus (4)" in message
+    assert "num_gpus only applies" not in message
+    assert "only applies to actor_rollout_ref.rollout.mode=disaggregated" in error_of(
+        QWEN_7B, ["actor_rollout_ref.rollout.num_gpus=2"], world_size=8)
+
+
+# ----------------------------------------------------------------------------- choices
+
+
+@pytest.mark.parametrize("key, kind", [
+    ("algorithm.adv_estimator", "adv_estimator"),
+    ("algorithm.kl_penalty", "kl_estimator"),
+    ("actor_rollout_ref.actor.kl_loss_type", "kl_estimator"),
+    ("algorithm.kl_ctrl.type", "kl_controller"),
+    ("actor_rollout_ref.actor.policy_loss.loss_mode", "policy_loss"),
+    ("actor_rollout_ref.actor.loss_agg_mode", "loss_agg_mode"),
+    ("critic.loss_agg_mode", "loss_agg_mode"),
+])
+def test_algorithm_names_come_from_the_registry(key, kind):
+    message = error_of(DEMO, [f"{key}=no-such-thing"])
+    assert message.startswith(f"{key}='no-such-thing' is not a valid choice")
+    assert f"Valid values: {', '.join(registry.names(kind))}." in message
+
+
+def test_misspelled_choice_gets_a_suggestion():
+    assert "Did you mean 'gae'?" in error_of(DEMO, ["algorithm.adv_estimator=gea"])
+    assert "Did you mean 'sglang'?" in error_of(DEMO, ["actor_rollout_ref.rollout.name=sglng"])
+    assert "trainer.logger[1]='wandb'" in error_of(DEMO, ["trainer.logger=[console,wandb]"])
+
+
+def test_group_estimator_needs_several_samples_per_prompt():
+    message = error_of(DEMO, ["algorithm.adv_estimator=grpo"])
+    assert "actor_rollout_ref.rollout.n=1" in message and "2 or more" in message
+    load_config(DEMO, ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4"])
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("actor_rollout_ref.actor.clip_ratio_c=0.5", "clip_ratio_c=0.5: must be > 1"),
+    ("algorithm.lam=1.5", "algorithm.lam=1.5: must be in [0, 1]"),
+    ("actor_rollout_ref.rollout.top_p=0", "top_p=0.0: must be in (0, 1]"),
+    ("actor_rollout_ref.actor.optim.betas=[0.9]", "betas=[0.9]: must be two numbers"),
+    ("trainer.save_freq=0", "trainer.save_freq=0: must be -1 (off) or >= 1"),
+    ("trainer.resume_mode=resume_path", "needs trainer.resume_from_path"),
+])
+def test_out_of_range_values(override, fragment):
+    assert fragment in error_of(DEMO, [override])
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def test_cli_prints_the_message_and_exits_2_without_traceback():
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.config.cli", str(DEMO), "actor_rollout_ref.actor.ppo_mini_batchsize=4"],
+        capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert result.stderr.startswith("config error: Unknown config key 'actor_rollout_ref.actor.ppo_mini_batchsize'")
