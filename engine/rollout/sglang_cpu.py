@@ -1,0 +1,59 @@
+"""Everything the SGLang backend does differently when the machine has no GPU. Nothing else.
+
+On a GPU the plain ``python -m sglang.launch_server`` command is used; this module only adds to it
+when ``torch.cuda.is_available()`` is False:
+
+- ``SGLANG_USE_CPU_ENGINE=1`` and ``--device cpu``: SGLang's CPU model runner.
+- ``--attention-backend torch_native``: the other attention backends need CUDA or AMX kernels.
+- ``--disable-overlap-schedule``: the overlap scheduler assumes CUDA streams.
+- ``launch/install/cpu_standins`` on ``PYTHONPATH``: a stand-in ``sgl_kernel`` (no kernels, no torch
+  ops registered) so SGLang's imports succeed and it falls back to plain-torch layers.
+- a KV-pool cap (``--max-total-tokens``) when none is given: the memory fraction would otherwise
+  be taken of host RAM, shared with the trainer.
+- ``--mem-fraction-static`` raised to at least 0.5: on CPU SGLang sizes the KV pool as free host
+  RAM after loading minus ``(1 - fraction)`` x free RAM before loading, so a small fraction fails
+  start-up (measured) whenever other processes allocate meanwhile; ``--max-total-tokens`` still
+  caps the pool.
+- no ``/release_memory_occupation`` / ``/resume_memory_occupation`` requests: SGLang 0.5.23's
+  handler calls ``torch.cuda.synchronize()`` and takes the CPU scheduler down (measured), and
+  there is no accelerator memory to give back on CPU anyway.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+CPU_STANDINS_DIR = Path(__file__).resolve().parents[2] / "launch" / "install" / "cpu_standins"
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
+CPU_MIN_MEM_FRACTION_STATIC = 0.5
+
+
+def needs_cpu_adaptation() -> bool:
+    """True when SGLang must run its CPU engine (no usable GPU in this process)."""
+    return not torch.cuda.is_available()
+
+
+def memory_occupation_control_supported() -> bool:
+    """Whether the server's release/resume-memory endpoints may be called (not on CPU, see above)."""
+    return not needs_cpu_adaptation()
+
+
+def adapt_server_for_cpu(args: list[str], env: dict[str, str], tensor_model_parallel_size: int) -> tuple[list[str], dict[str, str]]:
+    """Return the server arguments and environment with the CPU-only additions."""
+    if not (CPU_STANDINS_DIR / "sgl_kernel" / "__init__.py").is_file():
+        raise FileNotFoundError(f"the CPU sgl_kernel stand-in is missing: expected {CPU_STANDINS_DIR}/sgl_kernel/")
+    args = list(args) + ["--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule"]
+    if "--mem-fraction-static" in args:
+        index = args.index("--mem-fraction-static") + 1
+        args[index] = str(max(float(args[index]), CPU_MIN_MEM_FRACTION_STATIC))
+    if "--max-total-tokens" not in args:
+        args += ["--max-total-tokens", str(CPU_DEFAULT_MAX_TOTAL_TOKENS)]
+    env = dict(env)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_STANDINS_DIR), env.get("PYTHONPATH", "")) if p)
+    if tensor_model_parallel_size > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in env:
+        # One core per TP rank (SGLang's CPU engine binds OpenMP threads per rank).
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(rank) for rank in range(tensor_model_parallel_size))
+    return args, env

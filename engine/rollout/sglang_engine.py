@@ -1,0 +1,403 @@
+"""Rollout on real SGLang servers: one supervised ``sglang.launch_server`` per generation replica.
+
+Requests go out concurrently (one HTTP request per prompt, ``n`` samples each, spread round-robin
+over the replicas) so each server can batch them. Weights are pushed bucket by bucket inside a
+``/begin_weight_update`` .. ``/end_weight_update`` session, by one of two transports:
+
+- ``"tensor"`` (colocated): ``/update_weights_from_tensor``; each bucket is flattened into one
+  buffer and passed by handle (CUDA IPC on GPU, shared memory on CPU), one payload per TP rank.
+- ``"distributed"`` (servers elsewhere): this process is rank 0 of a weight-update group
+  (``/init_weights_update_group``; NCCL on GPU, gloo on CPU) and broadcasts each flattened bucket
+  while ``/update_weights_from_distributed`` receives it. A server that rejects the update never
+  joins the broadcast, so the broadcast is polled against the HTTP answer and a timeout.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import datetime
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from engine.rollout.base import (
+    PauseMode,
+    RolloutEngine,
+    RolloutError,
+    RolloutSample,
+    SamplingParams,
+    WeightUpdateError,
+    check_pause_mode,
+    validate_prompts,
+)
+from engine.rollout.sglang_cpu import memory_occupation_control_supported
+from engine.rollout.sglang_server import SGLangServer, SGLangServerConfig, SGLangServerCrashed, find_free_port
+
+logger = logging.getLogger(__name__)
+
+WeightTransport = Literal["tensor", "distributed"]
+
+
+@dataclasses.dataclass
+class SGLangRolloutConfig:
+    """Settings of the SGLang backend."""
+
+    # HF model folder the servers load at start-up (later weights arrive by push).
+    model_path: str
+    # Server logs go here: sglang_replica{i}.log
+    run_dir: str
+    num_replicas: int = 1
+    tensor_model_parallel_size: int = 1
+    # Maps to --mem-fraction-static.
+    gpu_memory_utilization: float = 0.6
+    dtype: str = "auto"
+    context_length: int | None = None
+    max_total_tokens: int | None = None
+    weight_transport: WeightTransport = "tensor"
+    # Colocated with training: start servers with --enable-memory-saver (GPU) for release/resume.
+    colocated: bool = True
+    host: str = "127.0.0.1"
+    # Address the servers use to reach this process for the distributed weight-update group.
+    weight_update_master_address: str = "127.0.0.1"
+    max_concurrent_requests: int = 256
+    startup_timeout_s: float = 600.0
+    request_timeout_s: float = 3600.0
+    weight_update_timeout_s: float = 600.0
+    random_seed: int | None = None
+    extra_server_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError(f"SGLangRolloutConfig.num_replicas={self.num_replicas} must be >= 1")
+        if self.tensor_model_parallel_size < 1:
+            raise ValueError(f"SGLangRolloutConfig.tensor_model_parallel_size={self.tensor_model_parallel_size} must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"SGLangRolloutConfig.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.weight_transport not in ("tensor", "distributed"):
+            raise ValueError(f"SGLangRolloutConfig.weight_transport={self.weight_transport!r} must be 'tensor' or 'distributed'")
+
+
+def checkpoint_tensor_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """HF tensor names and shapes of the safetensors checkpoint in ``model_path``."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_path}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
+def _sglang_sampling_params(params: SamplingParams) -> dict[str, Any]:
+    # Every knob explicit: SGLang would otherwise fill unset ones from the model's generation_config.
+    return {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": float(params.temperature),
+        "top_p": float(params.top_p),
+        "top_k": params.top_k,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "n": params.n,
+        "stop_token_ids": list(params.stop_token_ids),
+        "ignore_eos": params.ignore_eos,
+    }
+
+
+def _parse_sample(item: dict[str, Any]) -> RolloutSample:
+    meta = item["meta_info"]
+    token_ids = [int(t) for t in item["output_ids"]]
+    log_probs = [float(lp) for lp, _token, _text in meta.get("output_token_logprobs") or []]
+    # An aborted request can report fewer log-probs than tokens; keep the aligned prefix.
+    length = min(len(token_ids), len(log_probs))
+    reason = (meta.get("finish_reason") or {}).get("type", "abort")
+    if reason not in ("stop", "length", "abort"):
+        raise RolloutError(f"SGLang returned an unknown finish reason {meta.get('finish_reason')!r}")
+    return RolloutSample(token_ids[:length], log_probs[:length], reason)
+
+
+class SGLangRolloutEngine(RolloutEngine):
+    """Rollout on ``num_replicas`` SGLang servers started and supervised by this object."""
+
+    def __init__(self, config: SGLangRolloutConfig):
+        self.config = config
+        # May be switched between sessions (e.g. tensor pushes locally, distributed to remote servers).
+        self.weight_transport: WeightTransport = config.weight_transport
+        self.tensor_shapes = checkpoint_tensor_shapes(config.model_path)
+        run_dir = Path(config.run_dir)
+        self.servers = [
+            SGLangServer(
+                SGLangServerConfig(
+                    model_path=config.model_path,
+                    log_path=run_dir / f"sglang_replica{i}.log",
+                    host=config.host,
+                    tensor_model_parallel_size=config.tensor_model_parallel_size,
+                    gpu_memory_utilization=config.gpu_memory_utilization,
+                    dtype=config.dtype,
+                    base_gpu_id=i * config.tensor_model_parallel_size if torch.cuda.is_available() else 0,
+                    context_length=config.context_length,
+                    max_total_tokens=config.max_total_tokens,
+                    enable_memory_saver=config.colocated,
+                    random_seed=config.random_seed,
+                    extra_args=tuple(config.extra_server_args),
+                    startup_timeout_s=config.startup_timeout_s,
+                )
+            )
+            for i in range(config.num_replicas)
+        ]
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=config.max_concurrent_requests, thread_name_prefix="sglang-generate")
+        # Control requests (pause, weights, health) get their own threads: a pause must not queue
+        # behind the generate requests it is meant to abort.
+        self._control_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * config.num_replicas, thread_name_prefix="sglang-control")
+        self._weight_update_group: Any = None
+        self._weight_update_group_name = ""
+        self._in_weight_update = False
+        self._session_transport: WeightTransport | None = None
+        self._closed = False
+        try:
+            for server in self.servers:
+                server.start()
+            for server in self.servers:
+                server.wait_until_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ----------------------------------------------------------------------------- helpers
+
+    def _on_all_servers(self, path: str, payload: dict[str, Any] | None = None, timeout: float | None = None) -> list[Any]:
+        futures = [self._control_pool.submit(server.post, path, payload, timeout) for server in self.servers]
+        return [future.result() for future in futures]
+
+    def _check_success(self, path: str, answers: list[Any]) -> None:
+        for server, answer in zip(self.servers, answers):
+            if isinstance(answer, dict) and answer.get("success") is False:
+                raise WeightUpdateError(f"SGLang server {server.url} rejected {path}: {answer.get('message')}")
+
+    def _weight_request_on_all_servers(self, path: str, payload: dict[str, Any]) -> None:
+        """A weight-update request; a refusal (HTTP 400 or success=false) is a WeightUpdateError."""
+        try:
+            answers = self._on_all_servers(path, payload, self.config.weight_update_timeout_s)
+        except SGLangServerCrashed:
+            raise
+        except RolloutError as error:
+            raise WeightUpdateError(str(error)) from error
+        self._check_success(path, answers)
+
+    # ----------------------------------------------------------------------------- generation
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling_params: SamplingParams) -> list[list[RolloutSample]]:
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        prompts = validate_prompts(prompt_token_ids)
+        if self._in_weight_update:
+            raise RolloutError("generate() called inside a weight-update session; call end_weight_update() first")
+        sampling = _sglang_sampling_params(sampling_params)
+        futures = [
+            self._pool.submit(
+                self.servers[i % len(self.servers)].post,
+                "/generate",
+                {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True},
+                self.config.request_timeout_s,
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+        results = []
+        for future in futures:
+            answer = future.result()
+            items = answer if isinstance(answer, list) else [answer]
+            if len(items) != sampling_params.n:
+                raise RolloutError(f"SGLang returned {len(items)} samples for a prompt, expected n={sampling_params.n}")
+            results.append([_parse_sample(item) for item in items])
+        return results
+
+    # ----------------------------------------------------------------------------- weights
+
+    def _validate_bucket(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        # A name the model lacks would make SGLang's loader raise inside the scheduler: check here.
+        for name, tensor in named_tensors:
+            expected = self.tensor_shapes.get(name)
+            if expected is None:
+                raise WeightUpdateError(f"weight {name!r} is not in the checkpoint of {self.config.model_path}")
+            if tuple(tensor.shape) != expected:
+                raise WeightUpdateError(f"weight {name!r} has shape {tuple(tensor.shape)}, the checkpoint has {expected}")
+
+    def begin_weight_update(self) -> None:
+        if self._in_weight_update:
+            raise WeightUpdateError("a weight-update session is already open; call end_weight_update() first")
+        if self.weight_transport == "distributed" and self._weight_update_group is None:
+            self._init_weight_update_group()
+        self._weight_request_on_all_servers("/begin_weight_update", {})
+        self._in_weight_update = True
+        self._session_transport = self.weight_transport
+
+    def push_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        if not self._in_weight_update:
+            raise WeightUpdateError("push_weights() outside a session; call begin_weight_update() first")
+        named_tensors = list(named_tensors)
+        if not named_tensors:
+            return
+        self._validate_bucket(named_tensors)
+        if self._session_transport == "tensor":
+            self._push_by_tensor_handles(named_tensors)
+        else:
+            self._push_by_broadcast(named_tensors)
+
+    def _push_by_tensor_handles(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+        # The flat buffer is a fresh copy (bounded by the bucket size): the caller's tensors are
+        # never moved into shared memory.
+        bucket = FlattenedTensorBucket(named_tensors=[(name, t.detach().contiguous()) for name, t in named_tensors])
+        flat = bucket.get_flattened_tensor()
+        if flat.device.type == "cpu":
+            # CPU tensors travel as shared-memory files; the default fd-passing strategy makes the
+            # receiving scheduler fail its authentication handshake.
+            torch.multiprocessing.set_sharing_strategy("file_system")
+        payload = {"flattened_tensor": flat, "metadata": bucket.get_metadata()}
+        tp = self.config.tensor_model_parallel_size
+        # One serialization per TP rank: each rank must open its own handle (CUDA IPC refcounts).
+        request = {
+            "serialized_named_tensors": [MultiprocessingSerializer.serialize(payload, output_str=True) for _ in range(tp)],
+            "load_format": "flattened_bucket",
+            "flush_cache": False,
+        }
+        self._weight_request_on_all_servers("/update_weights_from_tensor", request)
+
+    def _init_weight_update_group(self) -> None:
+        from sglang.srt.utils import init_custom_process_group
+
+        tp = self.config.tensor_model_parallel_size
+        world_size = 1 + len(self.servers) * tp
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        address = self.config.weight_update_master_address
+        port = find_free_port(address)
+        # A fresh name per group: torch refuses to register a name twice, and an abandoned group
+        # (see _abandon_weight_update_group) stays registered in this process.
+        group_name = f"trident_weight_update_{uuid.uuid4().hex[:8]}"
+        futures = [
+            self._control_pool.submit(
+                server.post,
+                "/init_weights_update_group",
+                {
+                    "master_address": address,
+                    "master_port": port,
+                    "rank_offset": 1 + i * tp,
+                    "world_size": world_size,
+                    "group_name": group_name,
+                    "backend": backend,
+                },
+                self.config.weight_update_timeout_s,
+            )
+            for i, server in enumerate(self.servers)
+        ]
+        group = init_custom_process_group(
+            backend=backend,
+            init_method=f"tcp://{address}:{port}",
+            world_size=world_size,
+            rank=0,
+            group_name=group_name,
+            timeout=datetime.timedelta(seconds=self.config.weight_update_timeout_s),
+        )
+        self._check_success("/init_weights_update_group", [future.result() for future in futures])
+        self._weight_update_group, self._weight_update_group_name = group, group_name
+
+    def _push_by_broadcast(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        bucket = FlattenedTensorBucket(named_tensors=[(name, t.detach().to(device).contiguous()) for name, t in named_tensors])
+        request = {
+            "names": [name for name, _ in named_tensors],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named_tensors],
+            "shapes": [list(t.shape) for _, t in named_tensors],
+            "group_name": self._weight_update_group_name,
+            "load_format": "flattened_bucket",
+            "flush_cache": False,
+        }
+        timeout = self.config.weight_update_timeout_s
+        answers = [self._control_pool.submit(server.post, "/update_weights_from_distributed", request, timeout) for server in self.servers]
+        work = torch.distributed.broadcast(bucket.get_flattened_tensor(), src=0, group=self._weight_update_group, async_op=True)
+        deadline = time.monotonic() + timeout
+        while not work.is_completed():
+            # A server that refused the request will never join this broadcast.
+            for answer in answers:
+                if answer.done() and (answer.exception() is not None or answer.result().get("success") is False):
+                    self._abandon_weight_update_group()
+                    error = answer.exception()
+                    message = error if error is not None else answer.result().get("message")
+                    raise WeightUpdateError(f"distributed weight update rejected: {message}")
+            if time.monotonic() > deadline:
+                self._abandon_weight_update_group()
+                raise WeightUpdateError(f"distributed weight broadcast did not complete within {timeout:.0f}s")
+            time.sleep(0.001)
+        work.wait()
+        self._check_success("/update_weights_from_distributed", [answer.result(timeout=timeout) for answer in answers])
+
+    def _abandon_weight_update_group(self) -> None:
+        # A broadcast left half-done poisons the group; the next distributed session builds a new one.
+        self._weight_update_group = None
+        for server in self.servers:
+            try:
+                server.post("/destroy_weights_update_group", {"group_name": self._weight_update_group_name}, timeout=30)
+            except RolloutError as error:
+                logger.warning("could not destroy the weight-update group on %s: %s", server.url, error)
+
+    def end_weight_update(self) -> None:
+        if not self._in_weight_update:
+            raise WeightUpdateError("end_weight_update() without begin_weight_update()")
+        self._in_weight_update = False
+        self._weight_request_on_all_servers("/end_weight_update", {})
+        # Drop radix-cache prefixes computed with the old weights. SGLang refuses while requests
+        # are still running (pause mode "in_place"): those keep their old KV by design.
+        for server in self.servers:
+            try:
+                server.post("/flush_cache", {}, timeout=self.config.weight_update_timeout_s)
+            except RolloutError as error:
+                logger.warning("cache not flushed after the weight update on %s: %s", server.url, error)
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    def release_memory(self) -> None:
+        if memory_occupation_control_supported():
+            self._on_all_servers("/release_memory_occupation", {})
+
+    def resume_memory(self) -> None:
+        if memory_occupation_control_supported():
+            self._on_all_servers("/resume_memory_occupation", {})
+
+    def pause_generation(self, mode: PauseMode = "abort") -> None:
+        check_pause_mode(mode)
+        self._on_all_servers("/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> None:
+        self._on_all_servers("/continue_generation", {})
+
+    def health(self) -> bool:
+        return all(server.is_healthy() for server in self.servers)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._weight_update_group is not None:
+            try:
+                torch.distributed.destroy_process_group(self._weight_update_group)
+            except Exception as error:  # the servers may already be gone
+                logger.warning("destroying the weight-update group failed: %s", error)
+            self._weight_update_group = None
+        for server in self.servers:
+            server.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._control_pool.shutdown(wait=False, cancel_futures=True)

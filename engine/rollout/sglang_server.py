@@ -1,0 +1,242 @@
+"""Start, watch and stop one ``python -m sglang.launch_server`` process (one generation replica).
+
+The server runs in its own process group (its scheduler and detokenizer are children), logs to a
+file in the run directory, and the whole group is killed on ``stop()`` and at interpreter exit.
+Any request that fails because the process died raises ``SGLangServerCrashed`` naming the log.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from engine.rollout.base import RolloutError
+from engine.rollout.sglang_cpu import adapt_server_for_cpu, needs_cpu_adaptation
+
+LOG_TAIL_LINES = 30
+
+
+class SGLangServerCrashed(RolloutError):
+    """The server process exited; the message names its log file and quotes its last lines."""
+
+
+@dataclasses.dataclass
+class SGLangServerConfig:
+    """How to launch one SGLang server."""
+
+    model_path: str
+    log_path: Path
+    host: str = "127.0.0.1"
+    # None: a free port is chosen.
+    port: int | None = None
+    tensor_model_parallel_size: int = 1
+    # --mem-fraction-static: share of accelerator memory for weights + KV cache.
+    gpu_memory_utilization: float = 0.6
+    dtype: str = "auto"
+    base_gpu_id: int = 0
+    context_length: int | None = None
+    max_total_tokens: int | None = None
+    # --enable-memory-saver: lets release/resume_memory_occupation free GPU memory (colocated mode).
+    enable_memory_saver: bool = False
+    random_seed: int | None = None
+    extra_args: tuple[str, ...] = ()
+    startup_timeout_s: float = 600.0
+    python_executable: str = sys.executable
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def live_processes_in_group(process_group: int) -> list[int]:
+    """Pids of running (not zombie) processes in a process group, read from /proc (Linux)."""
+    pids = []
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid pgrp ...": comm may contain spaces, so split after the ')'.
+            state, _ppid, pgrp = stat_file.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):
+            continue
+        if int(pgrp) == process_group and state != "Z":
+            pids.append(int(stat_file.parent.name))
+    return pids
+
+
+_LIVE_SERVERS: "weakref.WeakSet[SGLangServer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_live_servers() -> None:
+    for server in list(_LIVE_SERVERS):
+        server.stop()
+
+
+class SGLangServer:
+    """One supervised SGLang server process."""
+
+    def __init__(self, config: SGLangServerConfig):
+        self.config = config
+        self.port = config.port or find_free_port(config.host)
+        self.url = f"http://{config.host}:{self.port}"
+        self.log_path = Path(config.log_path)
+        self.process: subprocess.Popen | None = None
+        self._local = threading.local()
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        """The server command line and environment (plain SGLang on GPU, CPU additions otherwise)."""
+        cfg = self.config
+        args = [
+            cfg.python_executable, "-m", "sglang.launch_server",
+            "--model-path", str(cfg.model_path),
+            "--host", cfg.host,
+            "--port", str(self.port),
+            "--nccl-port", str(find_free_port(cfg.host)),
+            "--tp-size", str(cfg.tensor_model_parallel_size),
+            "--mem-fraction-static", str(cfg.gpu_memory_utilization),
+            "--dtype", cfg.dtype,
+            # The trainer sends token ids and reads token ids back.
+            "--skip-tokenizer-init",
+        ]
+        if cfg.base_gpu_id:
+            args += ["--base-gpu-id", str(cfg.base_gpu_id)]
+        if cfg.context_length is not None:
+            args += ["--context-length", str(cfg.context_length)]
+        if cfg.max_total_tokens is not None:
+            args += ["--max-total-tokens", str(cfg.max_total_tokens)]
+        if cfg.random_seed is not None:
+            args += ["--random-seed", str(cfg.random_seed)]
+        env = dict(os.environ)
+        if needs_cpu_adaptation():
+            args, env = adapt_server_for_cpu(args, env, cfg.tensor_model_parallel_size)
+        elif cfg.enable_memory_saver:
+            args.append("--enable-memory-saver")
+        args += list(cfg.extra_args)
+        return args, env
+
+    def start(self) -> None:
+        """Launch the process (returns at once; see ``wait_until_ready``)."""
+        if not Path(self.config.model_path, "config.json").is_file():
+            raise FileNotFoundError(f"SGLang model_path {self.config.model_path} has no config.json")
+        args, env = self.command()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"[trident] {' '.join(args)}\n".encode())
+            log.flush()
+            self.process = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            )
+        _LIVE_SERVERS.add(self)
+
+    def wait_until_ready(self) -> None:
+        """Poll ``/health`` until it answers 200; raise if the process dies or time runs out."""
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while time.monotonic() < deadline:
+            self.raise_if_crashed(grace_s=0.0)
+            try:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise RolloutError(
+            f"SGLang server at {self.url} was not ready after {self.config.startup_timeout_s:.0f}s; "
+            f"log {self.log_path}, last lines:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            with open(self.log_path, errors="replace") as log:
+                return "".join(deque(log, maxlen=lines))
+        except OSError as error:
+            return f"(log unreadable: {error})"
+
+    def raise_if_crashed(self, grace_s: float = 5.0) -> None:
+        """Raise ``SGLangServerCrashed`` if the process has exited (waiting up to ``grace_s`` for it)."""
+        if self.process is None:
+            raise RolloutError(f"SGLang server {self.url} was never started")
+        try:
+            code = self.process.wait(timeout=grace_s) if grace_s > 0 else self.process.poll()
+        except subprocess.TimeoutExpired:
+            code = None
+        if code is not None:
+            self._kill_group()
+            raise SGLangServerCrashed(
+                f"SGLang server {self.url} exited with code {code}; log {self.log_path}, last lines:\n{self.log_tail()}"
+            )
+
+    def _session(self) -> requests.Session:
+        # One HTTP session (connection pool) per calling thread.
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = requests.Session()
+        return session
+
+    def post(self, path: str, payload: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
+        """POST JSON and return the decoded body; crashes and HTTP errors raise with context."""
+        try:
+            response = self._session().post(self.url + path, json=payload or {}, timeout=timeout)
+        except requests.RequestException as error:
+            self.raise_if_crashed()
+            raise RolloutError(f"request {path} to SGLang server {self.url} failed: {error}; log {self.log_path}") from error
+        if response.status_code != 200:
+            raise RolloutError(
+                f"SGLang server {self.url} answered {path} with HTTP {response.status_code}: {response.text[:2000]}"
+            )
+        try:
+            return response.json()
+        except ValueError:
+            return response.text
+
+    def is_healthy(self) -> bool:
+        self.raise_if_crashed(grace_s=0.0)
+        try:
+            return self._session().get(self.url + "/health", timeout=30).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def _kill_group(self) -> None:
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM the process group, SIGKILL what is left after ``timeout_s``."""
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        # Children (scheduler, detokenizer) may outlive the launcher: kill the group regardless,
+        # and return only once none of its processes runs any more.
+        self._kill_group()
+        deadline = time.monotonic() + timeout_s
+        while live_processes_in_group(self.process.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        try:
+            self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        _LIVE_SERVERS.discard(self)

@@ -1,0 +1,271 @@
+"""Embedded rollout engine: transformers' ``generate`` over an HF-format model, in this process.
+
+The default on CPU. Batched and KV-cached (``model.generate`` with left padding); the sampling rule
+and the log-prob definition are SGLang's (see ``engine/rollout/base.py``), implemented by one
+logits processor that both filters the distribution and records the log-prob of each sampled token.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+
+import torch
+import transformers
+
+from engine.rollout.base import (
+    PauseMode,
+    RolloutEngine,
+    RolloutError,
+    RolloutSample,
+    SamplingParams,
+    WeightUpdateError,
+    check_pause_mode,
+    validate_prompts,
+)
+
+
+@dataclasses.dataclass
+class TorchRolloutConfig:
+    """Settings of the embedded engine."""
+
+    # HF model folder (config.json + safetensors).
+    model_path: str
+    dtype: str = "float32"
+    # None: "cuda" when a GPU is present, else "cpu".
+    device: str | None = None
+    # Rows (prompt x sample) per ``model.generate`` call.
+    max_batch_size: int = 64
+    # Left-padding id; None: the model's pad_token_id, else 0 (padding is masked, any id works).
+    pad_token_id: int | None = None
+
+
+def model_eos_token_ids(model_config: transformers.PretrainedConfig, generation_config: transformers.GenerationConfig | None) -> set[int]:
+    """EOS ids the way SGLang collects them: config.json's eos_token_id plus generation_config's."""
+    eos: set[int] = set()
+    for source in (model_config, generation_config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is None:
+            continue
+        eos.update([value] if isinstance(value, int) else value)
+    return eos
+
+
+def keep_mask_top_k_top_p(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Boolean mask of the tokens SGLang may sample: rank < top_k and the mass ranked above <= top_p.
+
+    ``probs``: (rows, vocab) of the temperature-scaled distribution.
+    """
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep_sorted = mass_above <= top_p
+    if top_k != -1:
+        keep_sorted[:, top_k:] = False
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+class _SGLangSamplingProcessor(transformers.LogitsProcessor):
+    """Turns raw logits into SGLang's sampling distribution and records sampled-token log-probs.
+
+    Called once per step with the logits for the next token; the token drawn at step t is visible
+    at step t+1 (last column of ``input_ids``), so its log-prob is read then from the stored row.
+    Only one step of log-probs is kept, not the whole (rows, steps, vocab) tensor.
+    """
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.token_log_probs: list[torch.Tensor] = []
+        self._previous_log_probs: torch.Tensor | None = None
+
+    def _record(self, sampled: torch.Tensor) -> None:
+        if self._previous_log_probs is not None:
+            self.token_log_probs.append(self._previous_log_probs.gather(1, sampled.view(-1, 1)).squeeze(1))
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self._record(input_ids[:, -1])
+        scaled = scores.float() / self.params.log_prob_temperature
+        self._previous_log_probs = torch.log_softmax(scaled, dim=-1)
+        if self.params.is_greedy or (self.params.top_k == -1 and self.params.top_p >= 1.0):
+            return scaled
+        keep = keep_mask_top_k_top_p(self._previous_log_probs.exp(), self.params.top_k, self.params.top_p)
+        return scaled.masked_fill(~keep, float("-inf"))
+
+    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
+        """(rows, steps) log-probs once generation has returned its final tokens."""
+        self._record(last_tokens)
+        return torch.stack(self.token_log_probs, dim=1)
+
+
+class _PauseCriteria(transformers.StoppingCriteria):
+    """Ends every row when the engine was paused with ``abort``; waits while paused in place."""
+
+    def __init__(self, engine: "TorchRolloutEngine", epoch: int):
+        self.engine = engine
+        self.epoch = epoch
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        aborted = self.engine._abort_epoch != self.epoch
+        if not aborted:
+            self.engine._not_paused.wait()
+            aborted = self.engine._abort_epoch != self.epoch
+        return torch.full((input_ids.shape[0],), aborted, dtype=torch.bool, device=input_ids.device)
+
+
+class TorchRolloutEngine(RolloutEngine):
+    """Rollout with transformers' ``generate`` on a model held in this process."""
+
+    def __init__(self, config: TorchRolloutConfig):
+        self.config = config
+        if config.max_batch_size < 1:
+            raise ValueError(f"TorchRolloutConfig.max_batch_size={config.max_batch_size} must be >= 1")
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = getattr(torch, config.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"TorchRolloutConfig.dtype={config.dtype!r} is not a torch dtype name")
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype).to(self.device)
+        self.model.eval()
+        self.eos_token_ids = model_eos_token_ids(self.model.config, self.model.generation_config)
+        # Sampling comes only from SamplingParams: the checkpoint's generation defaults (top_k=50,
+        # repetition penalties, ...) would otherwise fill every field we leave unset.
+        self.model.generation_config = transformers.GenerationConfig()
+        self.vocab_size = self.model.config.vocab_size
+        pad = config.pad_token_id if config.pad_token_id is not None else self.model.config.pad_token_id
+        self.pad_token_id = 0 if pad is None else int(pad)
+        # Every name a pushed tensor may carry, tied aliases included (lm_head.weight -> embed).
+        self._named_state = self.model.state_dict(keep_vars=True)
+        self._not_paused = threading.Event()
+        self._not_paused.set()
+        self._abort_epoch = 0
+        self._in_weight_update = False
+        self._memory_released = False
+
+    # ----------------------------------------------------------------------------- generation
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling_params: SamplingParams) -> list[list[RolloutSample]]:
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        prompts = validate_prompts(prompt_token_ids, self.vocab_size)
+        if self._in_weight_update:
+            raise RolloutError("generate() called inside a weight-update session; call end_weight_update() first")
+        if self._memory_released:
+            raise RolloutError("generate() called after release_memory(); call resume_memory() first")
+        self._not_paused.wait()
+        epoch = self._abort_epoch
+        rows = [prompt for prompt in prompts for _ in range(sampling_params.n)]
+        samples: list[RolloutSample] = []
+        for start in range(0, len(rows), self.config.max_batch_size):
+            chunk = rows[start : start + self.config.max_batch_size]
+            if self._abort_epoch != epoch:
+                samples.extend(RolloutSample([], [], "abort") for _ in chunk)
+            else:
+                samples.extend(self._generate_chunk(chunk, sampling_params, epoch))
+        n = sampling_params.n
+        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _generate_chunk(self, rows: list[list[int]], params: SamplingParams, epoch: int) -> list[RolloutSample]:
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            input_ids[i, width - len(row) :] = torch.tensor(row)
+            attention_mask[i, width - len(row) :] = 1
+        stop_ids = set() if params.ignore_eos else self.eos_token_ids | set(params.stop_token_ids)
+        processor = _SGLangSamplingProcessor(params)
+        generation_config = transformers.GenerationConfig(
+            max_new_tokens=params.max_new_tokens,
+            min_new_tokens=0,
+            do_sample=not params.is_greedy,
+            eos_token_id=sorted(stop_ids) or None,
+            pad_token_id=self.pad_token_id,
+            return_dict_in_generate=True,
+            use_cache=True,
+        )
+        if not params.is_greedy:
+            # Temperature and top-k/top-p live in the processor; HF's own warpers stay off.
+            generation_config.update(temperature=1.0, top_k=0, top_p=1.0)
+        output = self.model.generate(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            generation_config=generation_config,
+            logits_processor=transformers.LogitsProcessorList([processor]),
+            stopping_criteria=transformers.StoppingCriteriaList([_PauseCriteria(self, epoch)]),
+        )
+        generated = output.sequences[:, width:]
+        aborted = self._abort_epoch != epoch
+        if generated.shape[1] == 0:
+            return [RolloutSample([], [], "abort") for _ in rows]
+        log_probs = processor.finish(generated[:, -1]).cpu()
+        generated = generated.cpu()
+        samples = []
+        for i in range(len(rows)):
+            tokens = generated[i].tolist()
+            # The first stop token ends the row; HF pads the rest (pad may itself be a stop id).
+            stop_at = next((j for j, t in enumerate(tokens) if t in stop_ids), None)
+            if stop_at is not None:
+                length, reason = stop_at + 1, "stop"
+            elif len(tokens) == params.max_new_tokens and not aborted:
+                length, reason = len(tokens), "length"
+            else:
+                length, reason = len(tokens), "abort"
+            samples.append(RolloutSample(tokens[:length], log_probs[i, :length].tolist(), reason))
+        return samples
+
+    # ----------------------------------------------------------------------------- weights
+
+    def begin_weight_update(self) -> None:
+        if self._in_weight_update:
+            raise WeightUpdateError("a weight-update session is already open; call end_weight_update() first")
+        self._in_weight_update = True
+
+    @torch.no_grad()
+    def push_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        if not self._in_weight_update:
+            raise WeightUpdateError("push_weights() outside a session; call begin_weight_update() first")
+        for name, tensor in named_tensors:
+            target = self._named_state.get(name)
+            if target is None:
+                raise WeightUpdateError(
+                    f"weight {name!r} is not in the model (HF names expected, e.g. {next(iter(self._named_state))!r})"
+                )
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise WeightUpdateError(f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
+            target.data.copy_(tensor.to(device=target.device, dtype=target.dtype))
+
+    def end_weight_update(self) -> None:
+        if not self._in_weight_update:
+            raise WeightUpdateError("end_weight_update() without begin_weight_update()")
+        self._in_weight_update = False
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    def release_memory(self) -> None:
+        # The weights are this engine's only state (the KV cache lives inside one generate call):
+        # on a GPU they go to host memory; on CPU there is nothing to give back.
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self._memory_released = True
+
+    def resume_memory(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to(self.device)
+        self._memory_released = False
+
+    def pause_generation(self, mode: PauseMode = "abort") -> None:
+        # "retract" and "in_place" both keep the KV cache here: in-flight rows wait and continue.
+        check_pause_mode(mode)
+        self._not_paused.clear()
+        if mode == "abort":
+            self._abort_epoch += 1
+
+    def continue_generation(self) -> None:
+        self._not_paused.set()
+
+    def health(self) -> bool:
+        return self.model is not None
+
+    def shutdown(self) -> None:
+        self._not_paused.set()
+        self.model = None
+        self._named_state = {}

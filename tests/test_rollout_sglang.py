@@ -1,0 +1,117 @@
+"""SGLang-only behaviour on a real CPU server: distributed (gloo) weight updates, a rejected update
+that must not hang, and supervision (start-up failure, crash mid-request, no leftover processes).
+
+ONE server for the module; the crash test kills it, so it is the last test here.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from engine.rollout import SamplingParams, WeightUpdateError, create_rollout_engine
+from engine.rollout.sglang_server import SGLangServer, SGLangServerConfig, SGLangServerCrashed, live_processes_in_group
+from tests.rollout_support import PROMPTS, SGLANG_MARKS, build_tiny_model, random_llama, reference_log_probs, teacher_forced_logits
+
+pytestmark = SGLANG_MARKS
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        rollout = create_rollout_engine(
+            "sglang",
+            model_path=str(tiny.path),
+            run_dir=str(tmp_path_factory.mktemp("sglang_run")),
+            gpu_memory_utilization=0.05,
+            dtype="float32",
+            startup_timeout_s=600,
+            weight_update_timeout_s=60,
+        )
+    yield rollout
+    rollout.shutdown()
+
+
+def assert_serves(engine, model):
+    """Greedy tokens and log-probs of the engine equal a float64 HF forward of ``model``."""
+    for prompt, (sample,) in zip(PROMPTS, engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))):
+        assert sample.token_ids == teacher_forced_logits(model, prompt, sample.token_ids).argmax(dim=-1).tolist()
+        expected = reference_log_probs(model, prompt, sample.token_ids, 0.0)
+        assert torch.allclose(torch.tensor(sample.log_probs, dtype=torch.float64), expected, atol=1e-5, rtol=0)
+
+
+def test_gloo_distributed_update_serves_the_new_weights(engine, tiny):
+    new_model = random_llama(seed=2, eos_token_id=tiny.model.config.eos_token_id)
+    engine.weight_transport = "distributed"
+    stats = engine.update_weights(new_model.state_dict().items(), bucket_megabytes=0.05)
+    assert stats.num_buckets > 3
+    assert_serves(engine, new_model)
+    # The transport may change between sessions: go back to the original weights by tensor push.
+    engine.weight_transport = "tensor"
+    engine.update_weights(tiny.model.state_dict().items(), bucket_megabytes=1.0)
+    assert_serves(engine, tiny.model)
+
+
+def test_rejected_distributed_update_raises_instead_of_hanging(engine, tiny):
+    new_model = random_llama(seed=3, eos_token_id=tiny.model.config.eos_token_id)
+    engine.weight_transport = "distributed"
+    engine.begin_weight_update()  # makes sure the group exists
+    engine.end_weight_update()
+    # Bypass the client-side session check (test-only: pokes private state) so the server itself
+    # rejects /update_weights_from_distributed and never joins the broadcast.
+    engine._in_weight_update, engine._session_transport = True, "distributed"
+    started = time.monotonic()
+    with pytest.raises(WeightUpdateError, match="begin_weight_update"):
+        engine.push_weights(list(new_model.state_dict().items())[:2])
+    assert time.monotonic() - started < 30
+    engine._in_weight_update, engine._session_transport = False, None
+    # The half-done group was dropped; the next distributed session builds a fresh one.
+    engine.update_weights(new_model.state_dict().items(), bucket_megabytes=1.0)
+    assert_serves(engine, new_model)
+    engine.weight_transport = "tensor"
+    engine.update_weights(tiny.model.state_dict().items(), bucket_megabytes=1.0)
+
+
+def test_server_that_fails_to_start_is_reported_with_its_log(tiny, tmp_path):
+    server = SGLangServer(
+        SGLangServerConfig(model_path=str(tiny.path), log_path=tmp_path / "bad.log", extra_args=("--no-such-flag",), startup_timeout_s=120)
+    )
+    server.start()
+    with pytest.raises(SGLangServerCrashed, match="bad.log") as error:
+        server.wait_until_ready()
+    assert "no-such-flag" in str(error.value)
+
+
+def test_killing_the_server_mid_request_names_its_log_and_leaves_no_process(engine):
+    server = engine.servers[0]
+    outcome = {}
+
+    def long_generation():
+        try:
+            engine.generate(PROMPTS, SamplingParams(max_new_tokens=480, ignore_eos=True))
+        except Exception as error:  # noqa: BLE001 - the test inspects it
+            outcome["error"] = error
+
+    worker = threading.Thread(target=long_generation)
+    worker.start()
+    time.sleep(1.0)
+    os.killpg(server.process.pid, signal.SIGKILL)
+    worker.join(timeout=60)
+    error = outcome.get("error")
+    assert isinstance(error, SGLangServerCrashed), error
+    assert str(server.log_path) in str(error) and "last lines" in str(error)
+    with pytest.raises(SGLangServerCrashed, match=str(server.log_path)):
+        engine.health()
+    engine.shutdown()
+    assert live_processes_in_group(server.process.pid) == []
+

@@ -1,0 +1,120 @@
+"""Fast checks of the rollout pieces that need no model: parameters, bucketing, filtering, commands."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.rollout import SamplingParams, create_rollout_engine, iter_weight_buckets
+from engine.rollout.sglang_cpu import CPU_STANDINS_DIR
+from engine.rollout.torch_engine import keep_mask_top_k_top_p
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("top_p", 1.5),
+        ("top_p", 0.0),
+        ("temperature", -0.1),
+        ("temperature", math.nan),
+        ("n", 0),
+        ("top_k", 0),
+        ("top_k", -2),
+        ("max_new_tokens", 0),
+        ("stop_token_ids", (-1,)),
+    ],
+)
+def test_sampling_params_reject_bad_values_naming_field_and_value(field, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}={value!r}".replace("(", r"\(").replace(")", r"\)")):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_accept_the_edges():
+    params = SamplingParams(temperature=0, top_p=1.0, top_k=-1, n=1, max_new_tokens=1, stop_token_ids=[3, 4])
+    assert params.is_greedy and params.log_prob_temperature == 1.0
+    assert params.stop_token_ids == (3, 4)
+    assert SamplingParams(temperature=0.5, top_k=1).log_prob_temperature == 0.5
+
+
+def test_buckets_respect_the_size_limit_and_never_mix_dtypes():
+    tensors = [(f"w{i}", torch.zeros(256, dtype=torch.float32)) for i in range(10)]  # 1 KiB each
+    tensors.insert(4, ("half", torch.zeros(8, dtype=torch.bfloat16)))
+    tensors.append(("huge", torch.zeros(4096, dtype=torch.float32)))  # 16 KiB, over the limit
+    buckets = list(iter_weight_buckets(iter(tensors), bucket_megabytes=3 / 1024))  # 3 KiB
+    assert [name for bucket in buckets for name, _ in bucket] == [name for name, _ in tensors]
+    for bucket in buckets:
+        assert len({t.dtype for _, t in bucket}) == 1
+        size = sum(t.numel() * t.element_size() for _, t in bucket)
+        assert size <= 3 * 1024 or len(bucket) == 1
+    assert [len(b) for b in buckets] == [3, 1, 1, 3, 3, 1]
+
+
+def test_bucket_size_must_be_positive():
+    with pytest.raises(ValueError, match="bucket_megabytes"):
+        list(iter_weight_buckets([("w", torch.zeros(1))], 0))
+
+
+def _keep_reference(probs: list[float], top_k: int, top_p: float) -> list[bool]:
+    """SGLang's joint rule token by token: rank < top_k and mass of strictly higher ranks <= top_p."""
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    keep = [False] * len(probs)
+    mass_above = 0.0
+    for rank, index in enumerate(order):
+        keep[index] = (top_k == -1 or rank < top_k) and mass_above <= top_p + 1e-12
+        mass_above += probs[index]
+    return keep
+
+
+@pytest.mark.parametrize("top_k, top_p", [(-1, 0.5), (3, 1.0), (5, 0.8), (1, 0.3), (-1, 1.0)])
+def test_top_k_top_p_mask_matches_a_per_token_reference(top_k, top_p):
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(6, 20, dtype=torch.float64) * 2, dim=-1)
+    mask = keep_mask_top_k_top_p(probs, top_k, top_p)
+    for row in range(probs.shape[0]):
+        assert mask[row].tolist() == _keep_reference(probs[row].tolist(), top_k, top_p)
+        assert mask[row].any()
+
+
+def test_factory_rejects_unknown_engines_and_settings():
+    with pytest.raises(ValueError, match="vllm"):
+        create_rollout_engine("vllm", model_path="x")
+    with pytest.raises(TypeError, match="TorchRolloutConfig"):
+        create_rollout_engine("torch", model_path="x", tensor_parallel=2)
+
+
+def test_sglang_server_command_adds_cpu_flags_only_without_gpu(monkeypatch, tmp_path):
+    from engine.rollout import sglang_server
+    from engine.rollout.sglang_server import SGLangServer, SGLangServerConfig
+
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    server = SGLangServer(SGLangServerConfig(model_path=str(tmp_path), log_path=tmp_path / "log", gpu_memory_utilization=0.7))
+    monkeypatch.setattr(sglang_server, "needs_cpu_adaptation", lambda: False)
+    gpu_args, gpu_env = server.command()
+    monkeypatch.setattr(sglang_server, "needs_cpu_adaptation", lambda: True)
+    cpu_args, cpu_env = server.command()
+
+    assert gpu_args[gpu_args.index("--mem-fraction-static") + 1] == "0.7"
+    assert cpu_args.count("--mem-fraction-static") == 1 and "--max-total-tokens" in cpu_args
+    for flag in ("--device", "--attention-backend", "--disable-overlap-schedule"):
+        assert flag not in gpu_args and flag in cpu_args
+    assert "SGLANG_USE_CPU_ENGINE" not in gpu_env
+    assert cpu_env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert str(CPU_STANDINS_DIR) not in gpu_env.get("PYTHONPATH", "")
+    assert cpu_env["PYTHONPATH"].split(":")[0] == str(CPU_STANDINS_DIR)
+
+
+def test_sgl_kernel_stand_in_offers_nothing():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sgl_kernel_standin", CPU_STANDINS_DIR / "sgl_kernel" / "__init__.py")
+    standin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(standin)
+    assert standin.IS_TRIDENT_CPU_STANDIN
+    with pytest.raises(NotImplementedError, match="stand-in"):
+        standin.copy_all_layer_kv_cache_cpu()
+    with pytest.raises(AttributeError):
+        standin.__wrapped__
+    # SGLang's AMX probe: no op registered, so it picks its plain-torch layers.
+    assert not hasattr(torch.ops.sgl_kernel, "convert_weight_packed")
