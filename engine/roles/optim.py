@@ -1,0 +1,124 @@
+"""Training wrappers: megatron DDP, the (distributed) AdamW optimizer and its LR schedule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """``actor_rollout_ref.actor.optim.*`` / ``critic.optim.*``.
+
+    Attributes:
+        lr: peak learning rate.
+        betas: AdamW (beta1, beta2).
+        eps: AdamW epsilon.
+        weight_decay: decoupled weight decay (megatron skips biases and norm weights).
+        max_grad_norm: global gradient-norm clip; <= 0 disables clipping (the norm is still reported).
+        lr_warmup_steps: linear warm-up from 0 over this many optimizer steps.
+        lr_decay_style: one of ``LR_DECAY_STYLES`` after warm-up.
+        min_lr: floor of the decayed learning rate.
+        use_distributed_optimizer: shard optimizer state over data-parallel ranks (ZeRO-1).
+        bf16: bf16 parameters with fp32 main weights and gradients (the GPU default).
+    """
+
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"
+    min_lr: float = 0.0
+    use_distributed_optimizer: bool = True
+    bf16: bool = False
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"optim.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"optim.lr_decay_style={self.lr_decay_style!r}; choose one of {LR_DECAY_STYLES}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"optim.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+
+
+def wrap_for_training(
+    model_chunks: Sequence[torch.nn.Module], config: OptimConfig
+) -> list[torch.nn.Module]:
+    """megatron DDP around each chunk (bf16: inside megatron's Float16Module), with
+    ``finalize_model_grads`` hooked into the model config: the DP gradient reduce(-scatter), the
+    sequence-parallel norm-gradient all-reduce and tied-embedding sync happen there."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.transformer.module import Float16Module
+
+    model_config = model_chunks[0].config
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=config.use_distributed_optimizer, grad_reduce_in_fp32=True
+    )
+    wrapped = []
+    for chunk in model_chunks:
+        module = Float16Module(model_config, chunk) if config.bf16 else chunk
+        wrapped.append(DistributedDataParallel(model_config, ddp_config, module))
+    model_config.finalize_model_grads_func = finalize_model_grads
+    return wrapped
+
+
+def build_optimizer(
+    ddp_chunks: Sequence[torch.nn.Module], config: OptimConfig, total_training_steps: int
+):
+    """megatron-core AdamW over ``ddp_chunks`` and its ``OptimizerParamScheduler``.
+
+    ``total_training_steps`` counts optimizer steps (mini-batch updates over the whole run): the
+    decay runs from the end of warm-up to there.
+    """
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if total_training_steps < 1:
+        raise ValueError(f"total_training_steps must be >= 1, got {total_training_steps}")
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",  # megatron's "adam" is AdamW: decoupled weight decay
+            lr=config.lr,
+            min_lr=config.min_lr,
+            weight_decay=config.weight_decay,
+            adam_beta1=config.betas[0],
+            adam_beta2=config.betas[1],
+            adam_eps=config.eps,
+            clip_grad=config.max_grad_norm if config.max_grad_norm > 0 else 0.0,
+            bf16=config.bf16,
+            params_dtype=torch.bfloat16 if config.bf16 else torch.float32,
+            use_distributed_optimizer=config.use_distributed_optimizer,
+        ),
+        list(ddp_chunks),
+    )
+    warmup = min(config.lr_warmup_steps, total_training_steps)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup > 0 else config.lr,
+        max_lr=config.lr,
+        min_lr=config.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(total_training_steps, warmup + 1),
+        lr_decay_style=config.lr_decay_style,
+        start_wd=config.weight_decay,
+        end_wd=config.weight_decay,
+        wd_incr_steps=total_training_steps,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler

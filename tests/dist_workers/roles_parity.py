@@ -1,0 +1,243 @@
+"""Worker: the actor and critic updates at several layouts of one torchrun world.
+
+For each ``--layouts`` entry (tp,pp,vpp,sp,packing,dynamic) the worker re-initialises megatron's
+parallel state, loads the tiny HF Llama from --hf-dir into an actor and a critic, and runs on a
+fixed batch (built from --seed, identical on every rank and in every launch):
+
+- actor: old log-probs + entropy (forward-only), one PPO update (2 mini-batches; use_kl_loss and
+  an entropy bonus on) -> metrics, then the exported HF weights;
+- critic: values (forward-only), one clipped value-loss update -> metrics, exported weights.
+
+Rank 0 writes ``{layout: {...}}`` to --out (JSON) and the weights to --out-dir/<layout>.pt; the
+pytest side compares layouts. ``--check-vocab-parallel`` additionally checks the vocab-parallel
+log-prob/entropy (values and gradients) against a float64 full-softmax reference at this world's
+TP size, and ``--check-reference`` compares old log-probs with transformers' forward (float64)
+and checks ppo_kl == 0 on the first update.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+
+def make_batch(vocab_size: int, seed: int):
+    """8 sequences: left-padded prompts (width 6) + right-padded responses (width 6)."""
+    from engine.roles import RolloutBatch
+
+    generator = torch.Generator().manual_seed(seed)
+    batch, prompt, response = 8, 6, 6
+    input_ids = torch.randint(0, vocab_size, (batch, prompt + response), generator=generator)
+    attention_mask = torch.zeros(batch, prompt + response, dtype=torch.long)
+    prompt_lengths = [6, 3, 5, 2, 4, 6, 1, 3]
+    response_lengths = [6, 2, 4, 6, 1, 5, 3, 6]
+    for row, (p, r) in enumerate(zip(prompt_lengths, response_lengths)):
+        attention_mask[row, prompt - p: prompt + r] = 1
+    response_mask = attention_mask[:, prompt:].clone()
+    advantages = torch.randn(batch, response, generator=generator)
+    ref_log_probs = -torch.rand(batch, response, generator=generator) * 4
+    returns = torch.randn(batch, response, generator=generator)
+    return RolloutBatch(input_ids, attention_mask, response_mask, advantages=advantages,
+                        ref_log_probs=ref_log_probs, returns=returns)
+
+
+def parse_layout(text: str) -> dict:
+    tp, pp, vpp, sp, packing, dynamic = (int(x) for x in text.split(","))
+    return dict(tp=tp, pp=pp, vpp=vpp or None, sp=bool(sp), packing=bool(packing), dynamic=bool(dynamic))
+
+
+def use_layout(spec: dict):
+    from megatron.core import parallel_state
+
+    from parallel.layout import ParallelLayout
+    from parallel.state import initialize_model_parallel
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    layout = ParallelLayout(spec["tp"], spec["pp"], spec["vpp"], sequence_parallel=spec["sp"])
+    initialize_model_parallel(layout, seed=5)
+    return layout
+
+
+def set_value_head(chunks, seed: int) -> None:
+    """The value head is absent from an LM checkpoint; give it the same weights in every layout."""
+    from engine.models.gpt import ValueHead
+
+    for chunk in chunks:
+        head = getattr(chunk, "output_layer", None)
+        if isinstance(head, ValueHead):
+            generator = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                head.weight.copy_(torch.randn(head.weight.shape, generator=generator) * 0.05)
+                head.bias.fill_(0.1)
+
+
+def configs(spec: dict, dp_size: int, ppo_mini_batch_size: int = 4, shuffle: bool = True):
+    from engine.algo.losses import ActorLossConfig, PolicyLossConfig
+    from engine.roles import ActorConfig, CriticConfig, OptimConfig
+
+    # 2 micro-batches per mini-batch on every layout: 4 sequences / DP ranks / micro size.
+    micro = max(1, ppo_mini_batch_size // dp_size // 2)
+    common = dict(ppo_epochs=1, ppo_mini_batch_size=ppo_mini_batch_size, ppo_micro_batch_size_per_gpu=micro,
+                  use_dynamic_bsz=spec["dynamic"], ppo_max_token_len_per_gpu=24, shuffle=shuffle, seed=3)
+    actor = ActorConfig(
+        **common, log_prob_micro_batch_size_per_gpu=micro, log_prob_max_token_len_per_gpu=24, temperature=0.8,
+        loss=ActorLossConfig(policy=PolicyLossConfig(clip_ratio=0.2), entropy_coeff=0.01, use_kl_loss=True,
+                             kl_loss_coef=0.1, kl_loss_type="low_var_kl"),
+    )
+    critic = CriticConfig(**common, forward_micro_batch_size_per_gpu=micro, forward_max_token_len_per_gpu=24,
+                          cliprange_value=0.2)
+    optim = OptimConfig(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=0.5, lr_warmup_steps=1,
+                        lr_decay_style="cosine", min_lr=1e-4)
+    return actor, critic, optim
+
+
+def run_layout(spec: dict, hf_dir: Path, seed: int, out_dir: Path, name: str) -> dict:
+    from megatron.core import parallel_state
+
+    from engine.models.checkpoint import export_hf_state_dict, load_hf_weights
+    from engine.models.gpt import build_model_chunks
+    from engine.roles import MegatronActor, MegatronCritic
+
+    layout = use_layout(spec)
+    dp_size = parallel_state.get_data_parallel_world_size()
+    actor_config, critic_config, optim = configs(spec, dp_size)
+    result: dict = {"dp": dp_size}
+
+    chunks = build_model_chunks(hf_dir, layout)
+    load_hf_weights(chunks, hf_dir)
+    batch = make_batch(chunks[0].hf_architecture.vocab_size, seed)
+    actor = MegatronActor(chunks, actor_config, optim, total_training_steps=4, use_remove_padding=spec["packing"])
+    old = actor.compute_old_log_probs(batch, compute_entropy=True)
+    result["response_mask"] = batch.response_mask.tolist()  # outputs elsewhere are padding garbage
+    result["old_log_probs"] = old["log_probs"].tolist()
+    result["entropy"] = old["entropy"].tolist()
+    result["actor"] = actor.update_policy(replace(batch, old_log_probs=old["log_probs"]))
+    weights = {"actor." + k: v for k, v in export_hf_state_dict(chunks).items()}
+
+    critic_chunks = build_model_chunks(hf_dir, layout, value_head=True)
+    load_hf_weights(critic_chunks, hf_dir)
+    set_value_head(critic_chunks, seed)
+    critic = MegatronCritic(critic_chunks, critic_config, optim, total_training_steps=4,
+                            use_remove_padding=spec["packing"])
+    values = critic.compute_values(batch)
+    result["values"] = values.tolist()
+    result["critic"] = critic.update_critic(replace(batch, values=values))
+    weights.update({"critic." + k: v for k, v in export_hf_state_dict(critic_chunks).items()})
+    if torch.distributed.get_rank() == 0:
+        torch.save(weights, out_dir / f"{name}.pt")
+    return result
+
+
+def check_vocab_parallel(results: dict) -> None:
+    """Vocab-parallel log-probs/entropy at this world's TP size vs a float64 full softmax."""
+    from megatron.core import parallel_state
+
+    from engine.roles.vocab_parallel import vocab_parallel_log_probs
+
+    from parallel.state import init_distributed
+
+    init_distributed()
+    use_layout(dict(tp=torch.distributed.get_world_size(), pp=1, vpp=None, sp=False))
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    generator = torch.Generator().manual_seed(0)
+    vocab, padded = 37, 40  # 3 padded columns on the last rank must be ignored
+    full = torch.randn(3, 5, padded, generator=generator, dtype=torch.float64) * 3
+    targets = torch.randint(0, vocab, (3, 5), generator=generator)
+    weights_lp, weights_h = torch.randn(3, 5, generator=generator), torch.randn(3, 5, generator=generator)
+    temperature = 0.7
+    width = padded // tp_size
+    local = full[..., tp_rank * width:(tp_rank + 1) * width].float().clone().requires_grad_(True)
+    log_probs, entropy = vocab_parallel_log_probs(
+        local, targets, temperature=temperature, vocab_size=vocab,
+        tensor_parallel_group=parallel_state.get_tensor_model_parallel_group(), compute_entropy=True)
+    ((log_probs * weights_lp).sum() + (entropy * weights_h).sum()).backward()
+
+    reference = full.clone().requires_grad_(True)
+    log_softmax = torch.log_softmax(reference[..., :vocab] / temperature, dim=-1)
+    ref_lp = log_softmax.gather(-1, targets[..., None])[..., 0]
+    ref_h = -(log_softmax.exp() * log_softmax).sum(-1)
+    ((ref_lp * weights_lp.double()).sum() + (ref_h * weights_h.double()).sum()).backward()
+    ref_grad = reference.grad[..., tp_rank * width:(tp_rank + 1) * width]
+    errors = {
+        "log_prob": float((log_probs.double() - ref_lp).abs().max()),
+        "entropy": float((entropy.double() - ref_h).abs().max()),
+        "grad": float((local.grad.double() - ref_grad).abs().max()),
+    }
+    if any(e > 1e-5 for e in errors.values()):
+        raise AssertionError(f"vocab-parallel TP{tp_size} differs from float64: {errors}")
+    results["vocab_parallel"] = {"tp": tp_size, **errors}
+
+
+def check_reference(hf_dir: Path, seed: int, results: dict) -> None:
+    """Old log-probs vs transformers (float64) and ppo_kl == 0 on the first update, TP1."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.checkpoint import load_hf_weights
+    from engine.models.gpt import build_model_chunks
+    from engine.roles import MegatronActor
+    from engine.roles.worker import response_columns
+
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64).eval()
+    out = {}
+    for packing in (False, True):
+        spec = dict(tp=1, pp=1, vpp=None, sp=False, packing=packing, dynamic=False)
+        layout = use_layout(spec)
+        actor_config, _, optim = configs(spec, 1, ppo_mini_batch_size=8, shuffle=False)
+        chunks = build_model_chunks(hf_dir, layout)
+        load_hf_weights(chunks, hf_dir)
+        batch = make_batch(chunks[0].hf_architecture.vocab_size, seed)
+        actor = MegatronActor(chunks, actor_config, optim, total_training_steps=4, use_remove_padding=packing)
+        old = actor.compute_old_log_probs(batch)["log_probs"]
+        reference = torch.zeros_like(old, dtype=torch.float64)
+        with torch.no_grad():
+            for row in range(len(batch)):
+                valid = batch.attention_mask[row].bool()
+                tokens = batch.input_ids[row][valid]
+                logits = hf_model(tokens[None]).logits[0] / actor_config.temperature
+                log_probs = torch.log_softmax(logits, -1)[:-1].gather(-1, tokens[1:, None])[:, 0]
+                full = torch.zeros(batch.input_ids.shape[1], dtype=torch.float64)
+                full[valid.nonzero().flatten()[:-1]] = log_probs
+                reference[row] = response_columns(full[None], batch.response_length)[0]
+        mask = batch.response_mask.bool()
+        metrics = actor.update_policy(replace(batch, old_log_probs=old))
+        out["packed" if packing else "padded"] = {
+            "max_abs_error_vs_hf": float((old.double() - reference)[mask].abs().max()),
+            "first_update_ppo_kl": metrics["actor/ppo_kl"],
+        }
+    results["reference"] = out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hf-dir", type=Path, required=True)
+    parser.add_argument("--layouts", nargs="*", default=[], help="tp,pp,vpp,sp,packing,dynamic")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--check-vocab-parallel", action="store_true")
+    parser.add_argument("--check-reference", action="store_true")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out-dir", type=Path, required=True)
+    args = parser.parse_args()
+
+    from parallel.state import destroy_model_parallel
+
+    results: dict = {"layouts": {}}
+    if args.check_vocab_parallel:
+        check_vocab_parallel(results)
+    if args.check_reference:
+        check_reference(args.hf_dir, args.seed, results)
+    for text in args.layouts:
+        results["layouts"][text] = run_layout(parse_layout(text), args.hf_dir, args.seed, args.out_dir,
+                                              text.replace(",", "_"))
+    if torch.distributed.get_rank() == 0:
+        args.out.write_text(json.dumps(results))
+    destroy_model_parallel()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Actor / critic / reference on the Megatron mesh (torchrun + gloo), against TP1/PP1/DP1.
+
+Two launches of tests/dist_workers/roles_parity.py on the same tiny HF Llama and batch:
+1 rank (the TP1/PP1/DP1 reference, packed and dynamic variants, transformers float64 log-probs,
+first-update ppo_kl) and 4 ranks (TP2, TP2+SP, PP2, TP2xPP2, PP2xVPP2, DP4; each layout with the
+DP size the world leaves). One full PPO update of actor and critic (2 mini-batches x 2
+micro-batches) must give the same losses, gradient norms and updated weights (fp32, rel. 1e-5).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.distributed import run_torchrun
+
+REFERENCE = "1,1,0,0,0,0"  # tp,pp,vpp,sp,packing,dynamic
+SINGLE_RANK_VARIANTS = ["1,1,0,0,1,0", "1,1,0,0,0,1", "1,1,0,0,1,1"]
+FOUR_RANK_LAYOUTS = ["2,1,0,0,0,0", "2,1,0,1,1,0", "1,2,0,0,0,1", "2,2,0,0,1,0", "1,2,2,0,1,0", "1,1,0,0,1,1"]
+TOLERANCE = 1e-5
+# Differences of log-probs (|log p| ~ 5 here) and clipped fractions: compared absolutely, since a
+# relative bound on a near-cancelling difference would demand more than fp32 has.
+ABSOLUTE_METRICS = ("ppo_kl", "pg_clipfrac", "pg_clipfrac_lower", "vf_clipfrac")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _launch(tiny_llama, tmp_path_factory, nproc, layouts, extra):
+    out_dir = tmp_path_factory.mktemp(f"roles_{nproc}")
+    run_torchrun(
+        "roles_parity.py", nproc,
+        ["--hf-dir", str(tiny_llama), "--out", str(out_dir / "r.json"), "--out-dir", str(out_dir),
+         "--layouts", *layouts, *extra],
+        timeout=600,
+    )
+    results = json.loads((out_dir / "r.json").read_text())
+    weights = {name: torch.load(out_dir / f"{name.replace(',', '_')}.pt") for name in layouts}
+    return results, weights
+
+
+@pytest.fixture(scope="module")
+def single_rank(tiny_llama, tmp_path_factory):
+    return _launch(tiny_llama, tmp_path_factory, 1, [REFERENCE, *SINGLE_RANK_VARIANTS], ["--check-reference"])
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tiny_llama, tmp_path_factory):
+    return _launch(tiny_llama, tmp_path_factory, 4, FOUR_RANK_LAYOUTS, ["--check-vocab-parallel"])
+
+
+def _relative_error(actual, expected) -> float:
+    actual, expected = torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
+    return float((actual - expected).norm() / expected.norm().clamp(min=1e-30))
+
+
+def _assert_same_update(name, results, weights, reference_results, reference_weights):
+    mask = torch.tensor(reference_results["response_mask"], dtype=torch.bool)
+    for key in ("old_log_probs", "entropy", "values"):
+        actual, expected = torch.tensor(results[key])[mask], torch.tensor(reference_results[key])[mask]
+        assert _relative_error(actual, expected) <= TOLERANCE, (name, key)
+    for role in ("actor", "critic"):
+        assert results[role].keys() == reference_results[role].keys(), (name, role)
+        for metric, value in results[role].items():
+            expected = reference_results[role][metric]
+            bound = TOLERANCE if metric.split("/")[-1] in ABSOLUTE_METRICS else TOLERANCE * abs(expected)
+            assert abs(value - expected) <= bound, (name, metric, value, expected)
+    assert weights.keys() == reference_weights.keys()
+    worst = max(weights, key=lambda k: _relative_error(weights[k], reference_weights[k]))
+    assert _relative_error(weights[worst], reference_weights[worst]) <= TOLERANCE, (name, worst)
+
+
+@pytest.mark.dist
+def test_single_rank_reference_packing_dynamic_and_first_step(single_rank):
+    results, weights = single_rank
+    reference = results["layouts"][REFERENCE]
+    # The update really moved the weights (else "same weights" would be vacuous).
+    assert reference["actor"]["actor/grad_norm"] > 0.1 and reference["critic"]["critic/grad_norm"] > 0.1
+    # Packed (THD) vs padded, dynamic vs fixed micro-batches: the same log-probs, values, update.
+    for name in SINGLE_RANK_VARIANTS:
+        _assert_same_update(name, results["layouts"][name], weights[name], reference, weights[REFERENCE])
+    # Recomputed old log-probs equal an independent forward (transformers, float64) on the same
+    # weights, and the first update starts on-policy: ppo_kl == 0.
+    for path, check in results["reference"].items():
+        assert check["max_abs_error_vs_hf"] < 1e-5, path
+        assert check["first_update_ppo_kl"] == 0.0, path
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_layouts_match_single_rank(single_rank, four_ranks):
+    reference_results, reference_weights = single_rank
+    results, weights = four_ranks
+    reference = reference_results["layouts"][REFERENCE]
+    for name in FOUR_RANK_LAYOUTS:
+        _assert_same_update(name, results["layouts"][name], weights[name], reference, reference_weights[REFERENCE])
+    assert {results["layouts"][name]["dp"] for name in FOUR_RANK_LAYOUTS} == {1, 2, 4}
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_vocab_parallel_tp4_matches_float64(four_ranks):
+    check = four_ranks[0]["vocab_parallel"]
+    assert check["tp"] == 4
+    assert max(check["log_prob"], check["entropy"], check["grad"]) <= 1e-5
