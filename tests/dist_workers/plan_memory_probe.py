@@ -1,0 +1,96 @@
+"""Worker: measure the bytes of parameters, gradients and optimizer state of real megatron models.
+
+For each case (layout, architecture, dtype, optimizer) it builds the project's model
+(engine.models.gpt.build_model_chunks), wraps it as training does (engine.roles.optim:
+megatron DDP + (distributed) Adam), takes one optimizer step so Adam's state exists, and sums the
+storage of every tensor: the parameters, DDP's gradient buffers, the fp32 master shards and the
+Adam moments. Every rank writes its numbers; the test compares them with launch.memory_model.
+"""
+
+import json
+import sys
+
+import torch
+
+CASES = [
+    # name, model_type, tie, tp, pp, param dtype, distributed optimizer, value head
+    ("llama_tp2_dp2_bf16_distopt", "llama", False, 2, 1, "bfloat16", True, False),
+    ("qwen2_pp2_dp2_bf16_distopt_critic", "qwen2", False, 1, 2, "bfloat16", True, True),
+    ("llama_tied_tp2_pp2_fp32_adam", "llama", True, 2, 2, "float32", False, False),
+]
+
+
+def hf_config(model_type: str, tie: bool):
+    from transformers import LlamaConfig, Qwen2Config
+
+    cls = LlamaConfig if model_type == "llama" else Qwen2Config
+    return cls(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=300, max_position_embeddings=64, tie_word_embeddings=tie)
+
+
+def storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for tensor in tensors:
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.numel())
+        if key not in seen:
+            seen.add(key)
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def measure(case) -> dict:
+    from megatron.core import parallel_state
+
+    from engine.models.gpt import build_model_chunks
+    from engine.roles.optim import OptimConfig, build_optimizer, wrap_for_training
+    from parallel.layout import ParallelLayout
+    from parallel.state import initialize_model_parallel
+
+    name, model_type, tie, tp, pp, dtype, distopt, value_head = case
+    layout = ParallelLayout(tp, pp)
+    initialize_model_parallel(layout, seed=3)
+    bf16 = dtype == "bfloat16"
+    chunks = build_model_chunks(hf_config(model_type, tie), layout, value_head=value_head,
+                                params_dtype=torch.bfloat16 if bf16 else torch.float32)
+    optim_config = OptimConfig(lr=1e-3, use_distributed_optimizer=distopt, bf16=bf16)
+    ddp_chunks = wrap_for_training(chunks, optim_config)
+    optimizer, _ = build_optimizer(ddp_chunks, optim_config, total_training_steps=1)
+    for chunk in ddp_chunks:
+        for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+            buffer.grad_data.normal_()  # any finite gradient: Adam creates its state on the first step
+    optimizer.step()
+
+    params = storage_bytes(p for chunk in ddp_chunks for p in chunk.parameters())
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for c in ddp_chunks for b in c.buffers + c.expert_parallel_buffers)
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    state_tensors, master_tensors = [], []
+    for opt in inner:
+        for state in opt.optimizer.state.values():
+            state_tensors += [v for k, v in state.items() if torch.is_tensor(v) and k != "step"]
+        for group in getattr(opt, "shard_fp32_from_float16_groups", []):
+            master_tensors += list(group)
+    result = {
+        "case": name,
+        "rank": torch.distributed.get_rank(),
+        "pipeline_rank": parallel_state.get_pipeline_model_parallel_rank(),
+        "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+        "param_element_bytes": next(ddp_chunks[0].parameters()).element_size(),
+        "params_bytes": params,
+        "grads_bytes": grads,
+        "optimizer_bytes": storage_bytes(state_tensors) + storage_bytes(master_tensors),
+    }
+    parallel_state.destroy_model_parallel()
+    return result
+
+
+def main() -> None:
+    out = sys.argv[1]
+    results = [measure(case) for case in CASES]
+    rank = torch.distributed.get_rank()
+    with open(f"{out}/rank{rank}.json", "w") as handle:
+        json.dump(results, handle)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Dry runs of launch/torchrun.sh, launch/slurm/ppo.sbatch and launch/ray/start_cluster_in_slurm.sh.
+
+Slurm is not installed here; the dry runs print what would run, and the srun payload itself is
+executed per node (with torchrun.sh in dry-run) to check what each node would start.
+"""
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from launch.ray_launcher import RayLaunchConfig, RayLaunchError, WorkerPlacement, dry_run_lines, rank_environments
+from launch.slurm.hostlist import HostlistError, expand_hostlist
+
+REPO = Path(__file__).resolve().parent.parent
+YAML = "yaml/llama3-70b_ppo_8node.yaml"
+OVERRIDES = ["data.train_batch_size=256", "trainer.experiment_name=with space"]
+
+
+def run(*command, env=None):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    return subprocess.run(command, cwd=REPO, env={**clean, **(env or {})}, capture_output=True, text=True, check=True).stdout
+
+
+def torchrun_args(line):
+    words = shlex.split(line)
+    start = words.index("torch.distributed.run") + 1
+    module = words.index("-m", start)
+    options = dict(word.split("=", 1) for word in words[start:module])
+    return options, words[module + 1], words[module + 2:]
+
+
+def test_torchrun_dry_run_for_node_one_of_two():
+    out = run("launch/torchrun.sh", "--dry-run", "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "8",
+              "--rdzv-endpoint", "node01:29500", "--rdzv-id", "42", YAML, *OVERRIDES)
+    options, module, program = torchrun_args(out.strip())
+    assert options == {"--nnodes": "2", "--node-rank": "1", "--nproc-per-node": "8", "--rdzv-backend": "c10d",
+                       "--rdzv-endpoint": "node01:29500", "--rdzv-id": "42", "--max-restarts": "0"}
+    assert module == "launch.main" and program == [YAML, *OVERRIDES]
+
+
+def test_torchrun_rejects_bad_arguments():
+    result = subprocess.run(["launch/torchrun.sh", "--nnodes", "2", "--node-rank", "2", YAML], cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "--node-rank must be in 0..1" in result.stderr
+
+
+def test_slurm_dry_run_two_nodes():
+    env = {"SLURM_JOB_ID": "777", "SLURM_JOB_NAME": "ppo70b", "SLURM_JOB_NODELIST": "gpu-a[07-08]",
+           "SLURM_GPUS_ON_NODE": "8", "TRIDENT_RUN_ROOT": "/shared/runs"}
+    lines = run("bash", "launch/slurm/ppo.sbatch", "--dry-run", YAML, *OVERRIDES, env=env).splitlines()
+    run_dir = "/shared/runs/ppo70b-777"
+    assert lines[0] == f"# run_dir {run_dir}"
+    srun = shlex.split(next(line for line in lines if line.startswith("srun ")))
+    assert srun[:5] == ["srun", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+                        f"--output={run_dir}/logs/node-%n.log"]
+    payload = srun[-1]
+    expected_program = [YAML, f"trainer.default_local_dir={run_dir}/checkpoints", "trainer.resume_mode=auto",
+                        "trainer.nnodes=2", "trainer.n_gpus_per_node=8", *OVERRIDES]
+    node_lines = [line for line in lines if line.startswith("# node ")]
+    assert [line.split(":")[0] for line in node_lines] == ["# node 0 gpu-a07", "# node 1 gpu-a08"]
+    for node_rank, line in enumerate(node_lines):
+        # what srun's task on that node runs: the payload, SLURM_NODEID set by srun
+        executed = run("bash", "-c", payload, env={"SLURM_NODEID": str(node_rank), "TRIDENT_DRY_RUN": "1"}).strip()
+        assert line.split(": ", 1)[1] == executed
+        options, module, program = torchrun_args(executed)
+        assert options["--rdzv-endpoint"] == "gpu-a07:29500"  # first node of the allocation
+        assert options["--node-rank"] == str(node_rank) and options["--nnodes"] == "2"
+        assert options["--nproc-per-node"] == "8" and options["--rdzv-id"] == "777"
+        assert module == "launch.main" and program == expected_program
+
+
+def test_ray_cluster_script_dry_run():
+    lines = run("bash", "launch/ray/start_cluster_in_slurm.sh", "--dry-run", "--nodelist", "n[1-3]", "--",
+                "python", "-m", "launch.ray_launcher", YAML, "--num-gpus", "24").splitlines()
+    starts = [shlex.split(line) for line in lines if line.startswith("srun ")]
+    assert [words[4] for words in starts] == ["n1", "n2", "n3"]
+    assert "--head" in starts[0] and all("--address=<ip of n1>:6379" in words for words in starts[1:])
+    assert lines[-1].startswith("RAY_ADDRESS=") and shlex.split(lines[-1])[1:4] == ["python", "-m", "launch.ray_launcher"]
+
+
+def test_hostlist_expansion():
+    assert expand_hostlist("node[01-03,10],gpu-a[1-2]-ib[0-1],login") == [
+        "node01", "node02", "node03", "node10", "gpu-a1-ib0", "gpu-a1-ib1", "gpu-a2-ib0", "gpu-a2-ib1", "login"]
+    with pytest.raises(HostlistError, match="node\\[3-1\\]"):
+        expand_hostlist("node[3-1]")
+
+
+def test_ray_rank_environments_follow_nodes_then_gpus():
+    placements = [WorkerPlacement("10.0.0.2", ("1",)), WorkerPlacement("10.0.0.2", ("0",)),
+                  WorkerPlacement("10.0.0.3", ("5",)), WorkerPlacement("10.0.0.3", ("4",))]
+    envs = rank_environments(placements, 31000)
+    assert [e["RANK"] for e in envs] == ["1", "0", "3", "2"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["1", "0", "1", "0"]
+    assert [e["NODE_RANK"] for e in envs] == ["0", "0", "1", "1"]
+    assert {e["MASTER_ADDR"] for e in envs} == {"10.0.0.2"} and {e["MASTER_PORT"] for e in envs} == {"31000"}
+    # LOCAL_RANK indexes CUDA_VISIBLE_DEVICES, as under torchrun
+    for env, placement in zip(envs, placements):
+        assert env["CUDA_VISIBLE_DEVICES"].split(",")[int(env["LOCAL_RANK"])] == placement.gpu_ids[0]
+
+
+def test_ray_dry_run_and_placement_validation():
+    config = RayLaunchConfig(program_args=(YAML, *OVERRIDES), num_workers=16, workers_per_node=8)
+    lines = dry_run_lines(config, python="python")
+    assert lines[0].startswith("placement_group 0: strategy=STRICT_PACK") and lines[1].startswith("placement_group 1")
+    assert len([line for line in lines if line.startswith("rank ")]) == 16
+    assert "RANK=9 WORLD_SIZE=16 LOCAL_RANK=1 LOCAL_WORLD_SIZE=8 NODE_RANK=1" in lines[2 + 9]
+    assert lines[-1].endswith(shlex.join(["python", "-m", "launch.main", YAML, *OVERRIDES]))
+    with pytest.raises(RayLaunchError, match="not a multiple"):
+        RayLaunchConfig(program_args=(YAML,), num_workers=12, workers_per_node=8).validate()
+    assert len(RayLaunchConfig(program_args=(YAML,), num_workers=12, placement_strategy="PACK").placement_groups()) == 1
