@@ -1,0 +1,16 @@
+"""Glue between the actor's Megatron model and the rollout engine: the HybridEngine weight sync."""
+
+from engine.sync.specs import owner_of, parameter_specs
+from engine.sync.weight_sync import (
+    WeightSyncConfig,
+    WeightSynchronizer,
+    WeightSyncReport,
+    check_by_log_probs,
+    check_engine_weights,
+    engine_weights,
+)
+
+__all__ = [
+    "WeightSyncConfig", "WeightSyncReport", "WeightSynchronizer", "check_by_log_probs", "check_engine_weights",
+    "engine_weights", "owner_of", "parameter_specs",
+]

@@ -1,0 +1,195 @@
+"""Actor -> rollout weight sync: the HybridEngine plan for the actor's model, streamed into an engine.
+
+    sync = WeightSynchronizer(actor_chunks, parallel_layout, WeightSyncConfig(...))   # plan once
+    report = sync.sync(engine)   # every step, on every rank (collective); engine None off-leader
+
+Which ranks push: with the embedded engine or SGLang servers each generation replica has one
+engine handle, on its generation TP rank 0 (``sync.is_replica_leader``); the other ranks take part
+in the collectives and drop what they receive. ``ReshardTarget.FULL`` (the default) delivers full
+HF tensors to every generation rank, which is what SGLang's loader and the embedded HF engine take;
+``SHARDED`` delivers exactly each rank's generation shard, for consumers that place shards
+themselves (``iter_weight_shards``); ``sync`` refuses it for engines that only take full tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from engine.rollout.base import RolloutEngine, SamplingParams
+from engine.sync.specs import local_parameters, parameter_specs, unwrap
+from parallel.hybrid_engine import (
+    GenerationLayout,
+    HybridLayout,
+    ReshardExecutor,
+    ReshardPlan,
+    ReshardStats,
+    ReshardTarget,
+    TrainingLayout,
+    WeightShard,
+    WeightSyncError,
+    build_groups,
+    check_fingerprints,
+    fingerprints_of,
+)
+from parallel.layout import ParallelLayout
+from parallel.state import device
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass
+class WeightSyncConfig:
+    """The ``rollout.*`` keys of the weight sync."""
+
+    # rollout.tensor_model_parallel_size
+    tensor_model_parallel_size: int = 1
+    # rollout.update_weights_bucket_megabytes: staging memory per rank for the transfer.
+    update_weights_bucket_megabytes: float = 512.0
+    # rollout.check_weight_sync: compare fingerprints (or probe log-probs) after every sync.
+    check_weight_sync: bool = False
+    # The dtype the engine serves in; weights are converted to it once, at the source.
+    dtype: str = "bfloat16"
+    target: str = "full"
+    # Overlap the next bucket's communication with pushing the current one.
+    overlap: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"rollout dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        try:
+            ReshardTarget(self.target)
+        except ValueError:
+            raise ValueError(f"weight sync target {self.target!r} is not one of "
+                             f"{[t.value for t in ReshardTarget]}") from None
+        if not self.update_weights_bucket_megabytes > 0:
+            raise ValueError(f"rollout.update_weights_bucket_megabytes={self.update_weights_bucket_megabytes!r} must be > 0")
+
+
+@dataclasses.dataclass
+class WeightSyncReport:
+    """One sync on this rank: measured traffic and time, and the plan's prediction."""
+
+    stats: ReshardStats
+    predicted_received_bytes: int
+    lower_bound_bytes: int
+    push_seconds: float
+    check_seconds: float = 0.0
+
+
+class WeightSynchronizer:
+    """Plans the actor's training -> generation reshard once and runs it per sync."""
+
+    def __init__(
+        self, model_chunks: Sequence[torch.nn.Module], layout: ParallelLayout, config: WeightSyncConfig
+    ) -> None:
+        from megatron.core import parallel_state
+
+        self.config = config
+        self.model_chunks = list(model_chunks)
+        architecture = unwrap(self.model_chunks[0]).hf_architecture
+        training = TrainingLayout.from_parallel_layout(layout, dist.get_world_size())
+        self.layout = HybridLayout(training, GenerationLayout(config.tensor_model_parallel_size))
+        self.rank = dist.get_rank()
+        stage = training.coordinates(self.rank).pipeline
+        if stage != parallel_state.get_pipeline_model_parallel_rank():
+            raise ValueError("megatron's parallel state does not match the layout's rank order")
+        self.specs = parameter_specs(architecture, training)
+        self.dtype = _DTYPES[config.dtype]
+        self.plan = ReshardPlan(self.layout, self.specs, config.target, self.dtype)
+        self.groups = build_groups(self.layout, self.plan.tensor_gather_size)
+        self._parameters = local_parameters(self.model_chunks, self.specs, stage)
+        self.executor = ReshardExecutor(
+            self.plan, self.groups, lambda spec: self._parameters[spec.megatron_name], device=device()
+        )
+        self.is_replica_leader = self.layout.generation_coordinates(self.rank).tensor == 0
+        self.traffic = self.plan.traffic(self.rank)
+
+    def iter_weight_shards(self, fingerprints: bool = False) -> Iterator[list[WeightShard]]:
+        """This rank's received tensors, bucket by bucket (collective: iterate on every rank)."""
+        with torch.no_grad():
+            yield from self.executor.iter_buckets(
+                self.config.update_weights_bucket_megabytes, overlap=self.config.overlap, fingerprints=fingerprints
+            )
+
+    def sync(self, engine: RolloutEngine | None) -> WeightSyncReport:
+        """Reshard and push every bucket into ``engine`` (None: take part only). Collective.
+
+        With ``check_weight_sync`` the engine's tensors are compared with fingerprints of the
+        training shards afterwards (``WeightSyncError`` names the tensors that differ).
+        """
+        if engine is not None and self.plan.target is ReshardTarget.SHARDED:
+            raise ValueError("rollout engines take full HF tensors; use target 'full' or iter_weight_shards()")
+        push_seconds = 0.0
+        if engine is not None:
+            engine.begin_weight_update()
+        try:
+            for bucket in self.iter_weight_shards(fingerprints=self.config.check_weight_sync):
+                if engine is not None:
+                    start = time.perf_counter()
+                    engine.push_weights([(shard.name, shard.tensor) for shard in bucket])
+                    push_seconds += time.perf_counter() - start
+                del bucket
+        finally:
+            if engine is not None:
+                engine.end_weight_update()
+        report = WeightSyncReport(self.executor.stats, self.traffic.received, self.traffic.lower_bound, push_seconds)
+        if self.config.check_weight_sync and engine is not None:
+            start = time.perf_counter()
+            check_engine_weights(engine, self.executor.expected_fingerprints)
+            report.check_seconds = time.perf_counter() - start
+        return report
+
+
+def engine_weights(engine: RolloutEngine) -> dict[str, torch.Tensor] | None:
+    """The HF tensors an in-process engine serves, or None when it cannot show them (servers).
+
+    The embedded engine holds a transformers model (``engine.model``); tied aliases
+    (``lm_head.weight`` of a tied model) share storage with the embedding and are left out.
+    """
+    model = getattr(engine, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        return None
+    return dict(model.named_parameters())
+
+
+def check_engine_weights(engine: RolloutEngine, expected: dict[str, torch.Tensor]) -> None:
+    """Compare the trainer's fingerprints with the engine's tensors; raise ``WeightSyncError``."""
+    weights = engine_weights(engine)
+    if weights is None:
+        raise WeightSyncError(
+            f"{type(engine).__name__} cannot report its weights; check it with check_by_log_probs() instead"
+        )
+    actual = fingerprints_of({name: weights[name] for name in expected if name in weights})
+    check_fingerprints(expected, actual)
+
+
+def check_by_log_probs(
+    engine: RolloutEngine,
+    prompt_token_ids: Sequence[Sequence[int]],
+    reference_log_probs: Callable[[list[int], list[int]], torch.Tensor],
+    max_new_tokens: int = 8,
+    atol: float = 1e-3,
+) -> float:
+    """Greedy-generate a probe batch and compare the engine's log-probs with the trainer's.
+
+    ``reference_log_probs(prompt, response)`` returns the trainer's log-prob of each response token
+    (teacher-forced). Returns the largest absolute difference; raises ``WeightSyncError`` above
+    ``atol`` naming the probe prompts that differ.
+    """
+    samples = engine.generate(prompt_token_ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0))
+    worst, bad = 0.0, []
+    for index, (prompt, (sample,)) in enumerate(zip(prompt_token_ids, samples)):
+        reference = reference_log_probs(list(prompt), sample.token_ids).double().cpu()
+        engine_side = torch.tensor(sample.log_probs, dtype=torch.float64)
+        difference = float((reference - engine_side).abs().max()) if len(engine_side) else 0.0
+        worst = max(worst, difference)
+        if difference > atol:
+            bad.append(f"probe {index}: max |log-prob difference| {difference:.3g}")
+    if bad:
+        raise WeightSyncError(f"rollout log-probs differ from the trainer's (atol {atol}): " + "; ".join(bad))
+    return worst
