@@ -1,0 +1,223 @@
+"""The PPO loop (SPMD: every rank runs it; the roles split the work over the Megatron mesh).
+
+One iteration, in the order of the classic RLHF recipe (Ouyang et al. 2022; HybridFlow 2024):
+rollout -> old log-probs -> reference log-probs -> values -> rewards -> KL in the reward ->
+advantages -> critic update -> actor update -> weight sync into the rollout engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from engine.algo.advantages import AdvantageInputs, compute_advantages
+from engine.algo.kl import apply_kl_penalty
+from engine.algo.stats import masked_mean
+from engine.config import ExperimentConfig
+from engine.rewards.manager import decode_responses, token_level_scores
+from engine.roles import RolloutBatch
+from engine.rollout.base import SamplingParams
+from engine.trainer.components import PPOComponents, build_components
+from engine.trainer.run_dir import RunDirectory, attach_rank_log_file
+from engine.trainer.tracking import Tracker, memory_metrics, timer
+from parallel.hybrid_engine import gather_generation_results, split_for_generation
+
+logger = logging.getLogger(__name__)
+
+
+def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
+    """Train; returns the last iteration's metrics. Process groups must already be up."""
+    run = RunDirectory.create(cfg.trainer.default_local_dir)
+    rank = dist.get_rank()
+    attach_rank_log_file(run, rank)
+    if rank == 0:
+        run.write_config(cfg)
+        print(f"[trident] run directory: {run.summary()}", flush=True)
+    parts = build_components(cfg, run)
+    step = _resume(cfg, parts)
+    parts.weight_sync.sync(parts.engine)  # the engine serves exactly the (possibly resumed) actor
+    tracker = Tracker(cfg.trainer.logger, tensorboard_dir=run.tensorboard_dir, metrics_file=run.metrics_file,
+                      total_steps=parts.total_training_steps, start_step=step)
+    metrics: dict[str, float] = {}
+    if cfg.trainer.val_before_train and parts.val_loader is not None and step == 0:
+        tracker.log(validate(cfg, parts), step)
+    while step < parts.total_training_steps:
+        for prompts in parts.train_loader:
+            step += 1
+            metrics = ppo_iteration(cfg, parts, prompts, step)
+            if parts.val_loader is not None and cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0:
+                metrics.update(validate(cfg, parts))
+            tracker.log(metrics, step)
+            last = step == parts.total_training_steps
+            if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or (last and cfg.trainer.save_freq != 0):
+                _save(parts, step)
+            if last:
+                break
+    tracker.close()
+    if parts.engine is not None:
+        parts.engine.shutdown()
+    if rank == 0:
+        print(f"[trident] done after {step} steps; {run.summary()}", flush=True)
+    return metrics
+
+
+def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: int) -> dict[str, float]:
+    """One PPO iteration on this rank's share of the global prompt batch."""
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    algo = cfg.algorithm
+    with timer("gen", timings):
+        batch, meta, rollout_log_probs = generate(cfg, parts, prompts.repeat_interleave(cfg.actor_rollout_ref.rollout.n))
+    with timer("old_log_prob", timings):
+        batch.old_log_probs = parts.actor.compute_old_log_probs(batch)["log_probs"]
+    if parts.reference is not None:
+        with timer("ref", timings):
+            batch.ref_log_probs = parts.reference.compute_ref_log_probs(batch)
+    if parts.critic is not None:
+        with timer("values", timings):
+            batch.values = parts.critic.compute_values(batch)
+    with timer("reward", timings):
+        responses = decode_responses(parts.tokenizer, batch.input_ids[:, -batch.response_length:], batch.response_mask)
+        scored = parts.rewards.score(responses, meta["data_sources"], meta["ground_truths"], meta["extra_infos"])
+        scores = torch.as_tensor(scored.scores, dtype=torch.float32)
+        rewards = token_level_scores(scores, batch.response_mask)
+    with timer("adv", timings):
+        metrics: dict[str, float] = {}
+        if algo.use_kl_in_reward:
+            rewards, current_kl = apply_kl_penalty(rewards, batch.old_log_probs, batch.ref_log_probs,
+                                                   batch.response_mask, parts.kl_controller.value, algo.kl_penalty)
+            metrics["actor/reward_kl_penalty"] = float(current_kl)
+            metrics["actor/reward_kl_penalty_coeff"] = parts.kl_controller.value
+            parts.kl_controller.update(float(current_kl), len(batch))
+        advantage = compute_advantages(
+            AdvantageInputs(rewards, batch.response_mask, values=batch.values, group_index=meta["uids"]),
+            algo.advantage_config())
+        batch = replace(batch, advantages=advantage.advantages, returns=advantage.returns)
+    if parts.critic is not None:
+        with timer("update_critic", timings):
+            metrics.update(parts.critic.update_critic(batch))
+    if step > cfg.critic.warmup_steps or parts.critic is None:
+        with timer("update_actor", timings):
+            metrics.update(parts.actor.update_policy(batch))
+        with timer("update_weights", timings):
+            parts.weight_sync.sync(parts.engine)
+    timings["step"] = time.perf_counter() - start
+    metrics.update(_batch_metrics(batch, scores, rollout_log_probs, scored.metrics))
+    metrics.update({f"timing_s/{name}": seconds for name, seconds in timings.items()})
+    tokens = int(batch.attention_mask.sum())
+    metrics["perf/total_num_tokens"] = tokens
+    metrics["perf/throughput"] = tokens / timings["step"] / dist.get_world_size()
+    metrics.update(memory_metrics())
+    return metrics
+
+
+def generate(cfg: ExperimentConfig, parts: PPOComponents, prompts):
+    """Rollout through the HybridEngine's generation replicas; every rank gets the global batch.
+
+    Returns the ``RolloutBatch`` (prompts left-padded, responses right-padded to
+    ``data.max_response_length``), the per-sequence metadata, and the rollout engine's own
+    log-probs of the sampled tokens (to measure train/inference mismatch).
+    """
+    rollout = cfg.actor_rollout_ref.rollout
+    params = SamplingParams(
+        max_new_tokens=cfg.data.max_response_length,
+        temperature=rollout.temperature if rollout.do_sample else 0.0,
+        top_p=rollout.top_p, top_k=rollout.top_k,
+    )
+    return _generate_with(parts, prompts, params)
+
+
+def _generate_with(parts: PPOComponents, prompts, params: SamplingParams):
+    sync = parts.weight_sync
+    mine = split_for_generation(prompts.raw_prompt_ids, sync.layout, dist.get_rank())
+    local = []
+    if parts.engine is not None:
+        local = [(s[0].token_ids, s[0].log_probs) for s in parts.engine.generate(mine, params)]
+    per_dp_rank = gather_generation_results(local, sync.groups)  # this DP rank's prompts, in order
+    shard = {
+        "prompts": prompts.raw_prompt_ids, "responses": per_dp_rank, "uids": prompts.prompt_uids.tolist(),
+        "data_sources": prompts.data_sources, "ground_truths": prompts.ground_truths,
+        "extra_infos": prompts.extra_infos,
+    }
+    shards: list = [None] * dist.get_world_size(parts.data_parallel_group)
+    dist.all_gather_object(shards, shard, group=parts.data_parallel_group)
+    merged = {key: [item for s in shards for item in s[key]] for key in shard}
+    batch, rollout_log_probs = _to_rollout_batch(merged["prompts"], merged["responses"], params.max_new_tokens,
+                                                 parts.tokenizer.pad_token_id or 0)
+    meta = {key: merged[key] for key in ("data_sources", "ground_truths", "extra_infos")}
+    meta["uids"] = torch.as_tensor(merged["uids"], dtype=torch.long)
+    return batch, meta, rollout_log_probs
+
+
+def _to_rollout_batch(prompts, responses, response_length: int, pad_id: int):
+    prompt_length = max(len(p) for p in prompts)
+    rows = len(prompts)
+    input_ids = torch.full((rows, prompt_length + response_length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    response_mask = torch.zeros(rows, response_length)
+    rollout_log_probs = torch.zeros(rows, response_length)
+    for i, (prompt, (tokens, log_probs)) in enumerate(zip(prompts, responses)):
+        input_ids[i, prompt_length - len(prompt):prompt_length] = torch.as_tensor(prompt)
+        attention_mask[i, prompt_length - len(prompt):prompt_length + len(tokens)] = 1
+        input_ids[i, prompt_length:prompt_length + len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
+        response_mask[i, :len(tokens)] = 1
+        rollout_log_probs[i, :len(tokens)] = torch.as_tensor(log_probs)
+    return RolloutBatch(input_ids, attention_mask, response_mask), rollout_log_probs
+
+
+def _batch_metrics(batch: RolloutBatch, scores, rollout_log_probs, reward_metrics) -> dict[str, float]:
+    mask = batch.response_mask
+    lengths = mask.sum(dim=1)
+    metrics = {
+        "critic/score/mean": scores.mean().item(), "critic/score/max": scores.max().item(),
+        "critic/score/min": scores.min().item(),
+        "response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
+        "critic/advantages/mean": masked_mean(batch.advantages, mask).item(),
+        "critic/returns/mean": masked_mean(batch.returns, mask).item(),
+        # Train/inference mismatch: the rollout engine's log-probs vs the trainer's recomputation.
+        "rollout/log_prob_abs_diff": masked_mean((rollout_log_probs - batch.old_log_probs).abs(), mask).item(),
+        **reward_metrics,
+    }
+    if batch.values is not None:
+        from engine.algo.losses import explained_variance
+
+        metrics["critic/values/mean"] = masked_mean(batch.values, mask).item()
+        metrics["critic/vf_explained_var"] = float(explained_variance(batch.values, batch.returns, mask))
+    return metrics
+
+
+def validate(cfg: ExperimentConfig, parts: PPOComponents) -> dict[str, float]:
+    """Mean score of the validation responses (``rollout.val_kwargs`` sampling; greedy by default)."""
+    val = cfg.actor_rollout_ref.rollout.val_kwargs
+    params = SamplingParams(max_new_tokens=cfg.data.max_response_length,
+                            temperature=val.temperature if val.do_sample else 0.0, top_p=val.top_p, top_k=val.top_k)
+    scores = []
+    for prompts in parts.val_loader:
+        batch, meta, _ = _generate_with(parts, prompts, params)
+        responses = decode_responses(parts.tokenizer, batch.input_ids[:, -batch.response_length:], batch.response_mask)
+        scores += parts.rewards.score(responses, meta["data_sources"], meta["ground_truths"], meta["extra_infos"]).scores
+    return {"val/score/mean": float(sum(scores) / max(len(scores), 1)),
+            "val/accuracy": float(sum(s >= 1.0 for s in scores) / max(len(scores), 1))}
+
+
+def _save(parts: PPOComponents, step: int) -> None:
+    extra = {"step": step, "sampler": parts.train_loader.state_dict(), "kl_controller": parts.kl_controller.state_dict()}
+    path = parts.checkpoints.save(step, parts.checkpoint_targets(), extra_state=extra)
+    if dist.get_rank() == 0:
+        print(f"[trident] checkpoint saved: {path}", flush=True)
+
+
+def _resume(cfg: ExperimentConfig, parts: PPOComponents) -> int:
+    path = parts.checkpoints.resolve_resume(cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
+    if path is None:
+        return 0
+    extra = parts.checkpoints.load(path, parts.checkpoint_targets())
+    parts.train_loader.load_state_dict(extra["sampler"])
+    parts.kl_controller.load_state_dict(extra["kl_controller"])
+    if dist.get_rank() == 0:
+        print(f"[trident] resumed from {path} (step {extra['step']})", flush=True)
+    return int(extra["step"])
