@@ -32,8 +32,11 @@ $(STAMP_SGLANG): $(STAMP_BASE) requirements/sglang-cpu.txt launch/install/sglang
 	@bash launch/install/sglang_cpu.sh $(PY) >>$(PIP_LOG) 2>&1 || { tail -n 40 $(PIP_LOG); exit 1; }
 	@touch $@
 
+# The demo model (a tiny Llama SFT'd by us on reasoning-gym arithmetic) is built once (~1 min) and
+# cached in .cache/models/demo-arith; PPO then runs on 2 CPU ranks. Extra keys: make demo ARGS="k=v".
 demo: $(STAMP_BASE)
-	$(PY) -m launch.main yaml/demo_cpu.yaml
+	$(PY) -m launch.prepare_demo_model
+	OMP_NUM_THREADS=1 TORCHDYNAMO_DISABLE=1 $(VENV)/bin/torchrun --nproc_per_node 2 -m launch.main yaml/demo_cpu.yaml $(ARGS)
 
 # pytest exits 5 when it collected no test; make treats any non-zero exit as failure.
 test: $(STAMP_BASE) $(STAMP_SGLANG)

@@ -181,7 +181,8 @@ def _check_ranges(config: ExperimentConfig) -> None:
     _check_positive(trainer, "trainer", ("total_training_steps", "max_ckpt_to_keep"), allow_none=True)
     for name in ("save_freq", "test_freq"):
         value = getattr(trainer, name)
-        _require(value == -1 or value >= 1, f"trainer.{name}", value, "-1 (off) or >= 1 (every that many steps)")
+        meaning = "-1 (only at the end)" if name == "save_freq" else "-1 (off)"
+        _require(value == -1 or value >= 1, f"trainer.{name}", value, f"{meaning} or >= 1 (every that many steps)")
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode='resume_path' needs trainer.resume_from_path=CHECKPOINT_DIR "
                           "(or use resume_mode=auto to resume from the newest checkpoint in default_local_dir).")

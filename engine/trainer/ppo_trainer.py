@@ -53,7 +53,8 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
                 metrics.update(validate(cfg, parts))
             tracker.log(metrics, step)
             last = step == parts.total_training_steps
-            if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or (last and cfg.trainer.save_freq != 0):
+            # save_freq -1: only at the end of the run.
+            if last or (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0):
                 _save(parts, step)
             if last:
                 break
@@ -105,12 +106,13 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
             metrics.update(parts.actor.update_policy(batch))
         with timer("update_weights", timings):
             parts.weight_sync.sync(parts.engine)
-    timings["step"] = time.perf_counter() - start
+    timings["timing_s/step"] = time.perf_counter() - start  # timer() names its entries timing_s/<stage>
     metrics.update(_batch_metrics(batch, scores, rollout_log_probs, scored.metrics))
-    metrics.update({f"timing_s/{name}": seconds for name, seconds in timings.items()})
+    metrics.update(timings)
     tokens = int(batch.attention_mask.sum())
     metrics["perf/total_num_tokens"] = tokens
-    metrics["perf/throughput"] = tokens / timings["step"] / dist.get_world_size()
+    # HybridFlow's throughput: prompt + response tokens of the global batch / iteration time, per device.
+    metrics["perf/throughput"] = tokens / timings["timing_s/step"] / dist.get_world_size()
     metrics.update(memory_metrics())
     return metrics
 
@@ -205,10 +207,16 @@ def validate(cfg: ExperimentConfig, parts: PPOComponents) -> dict[str, float]:
 
 
 def _save(parts: PPOComponents, step: int) -> None:
-    extra = {"step": step, "sampler": parts.train_loader.state_dict(), "kl_controller": parts.kl_controller.state_dict()}
+    extra = {"step": step, "sampler": parts.train_loader.state_dict(), "kl_controller": parts.kl_controller.state_dict(),
+             # the roles seed each update's mini-batch shuffle with their call count
+             "update_calls": {name: role.num_update_calls for name, role in _trained_roles(parts).items()}}
     path = parts.checkpoints.save(step, parts.checkpoint_targets(), extra_state=extra)
     if dist.get_rank() == 0:
         print(f"[trident] checkpoint saved: {path}", flush=True)
+
+
+def _trained_roles(parts: PPOComponents) -> dict:
+    return {"actor": parts.actor, **({"critic": parts.critic} if parts.critic is not None else {})}
 
 
 def _resume(cfg: ExperimentConfig, parts: PPOComponents) -> int:
@@ -218,6 +226,8 @@ def _resume(cfg: ExperimentConfig, parts: PPOComponents) -> int:
     extra = parts.checkpoints.load(path, parts.checkpoint_targets())
     parts.train_loader.load_state_dict(extra["sampler"])
     parts.kl_controller.load_state_dict(extra["kl_controller"])
+    for name, role in _trained_roles(parts).items():
+        role.num_update_calls = extra["update_calls"][name]
     if dist.get_rank() == 0:
         print(f"[trident] resumed from {path} (step {extra['step']})", flush=True)
     return int(extra["step"])
