@@ -203,6 +203,9 @@ def test_head_checks_skipped_without_config_json():
 
 # ----------------------------------------------------------------------------- batch sizes
 
+# The numbers the messages below quote, pinned so a retuned demo yaml does not move them.
+PINNED = ["actor_rollout_ref.actor.ppo_mini_batch_size=16", "data.max_response_length=16"]
+
 
 def test_batch_times_n_not_divisible_by_data_parallel_size():
     message = error_of(DEMO, ["data.train_batch_size=9"], world_size=2)
@@ -210,25 +213,25 @@ def test_batch_times_n_not_divisible_by_data_parallel_size():
 
 
 def test_batch_not_divisible_by_mini_batch():
-    message = error_of(DEMO, ["data.train_batch_size=24"], world_size=2)
+    message = error_of(DEMO, [*PINNED, "data.train_batch_size=24"], world_size=2)
     assert "data.train_batch_size=24" in message and "ppo_mini_batch_size=16" in message
 
 
 def test_mini_batch_not_divisible_by_micro_batch_times_data_parallel():
-    message = error_of(DEMO, ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"], world_size=2)
+    message = error_of(DEMO, [*PINNED, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"], world_size=2)
     assert "16 * 1 = 16 sequences per mini-batch" in message and "3 * 2 = 6" in message
 
 
 def test_rollout_n_multiplies_the_mini_batch():
     # Micro-batches of 24 on each of 2 ranks (48) do not divide a mini-batch of 16 prompts x n=1, but do with n=3.
     micro = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=24"
-    message = error_of(DEMO, [micro, "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8"])
+    message = error_of(DEMO, [*PINNED, micro, "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8"])
     assert "16 * 1 = 16 sequences" in message and "24 * 2 = 48" in message
-    load_config(DEMO, [micro, "actor_rollout_ref.rollout.n=3"])
+    load_config(DEMO, [*PINNED, micro, "actor_rollout_ref.rollout.n=3"])
 
 
 def test_critic_batches_checked_with_critic_data_parallel_size():
-    message = error_of(DEMO, ["critic.ppo_micro_batch_size_per_gpu=16"], world_size=2)
+    message = error_of(DEMO, [*PINNED, "critic.ppo_micro_batch_size_per_gpu=16"], world_size=2)
     assert message.startswith("critic.ppo_mini_batch_size * actor_rollout_ref.rollout.n = 16 * 1 = 16")
 
 
@@ -238,7 +241,7 @@ def test_micro_batch_required_without_dynamic_batching(tmp_path):
 
 
 def test_dynamic_token_budget_must_hold_one_sequence():
-    message = error_of(DEMO, ["actor_rollout_ref.actor.use_dynamic_bsz=true",
+    message = error_of(DEMO, [*PINNED, "actor_rollout_ref.actor.use_dynamic_bsz=true",
                               "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=50"])
     assert "ppo_max_token_len_per_gpu=50" in message and "64 + 16 = 80" in message
 
@@ -324,7 +327,7 @@ def test_group_estimator_needs_several_samples_per_prompt():
     ("algorithm.lam=1.5", "algorithm.lam=1.5: must be in [0, 1]"),
     ("actor_rollout_ref.rollout.top_p=0", "top_p=0.0: must be in (0, 1]"),
     ("actor_rollout_ref.actor.optim.betas=[0.9]", "betas=[0.9]: must be two numbers"),
-    ("trainer.save_freq=0", "trainer.save_freq=0: must be -1 (off) or >= 1"),
+    ("trainer.save_freq=0", "trainer.save_freq=0: must be -1 (only at the end) or >= 1"),
     ("trainer.resume_mode=resume_path", "needs trainer.resume_from_path"),
 ])
 def test_out_of_range_values(override, fragment):
