@@ -73,7 +73,8 @@ class _CudaToCpuMode(TorchFunctionMode):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.cuda:
             return args[0]
-        if func is torch.Tensor.to or func is torch.Tensor.new_empty:
+        if func is torch.Tensor.to:
+            # Positional device of .to(); other methods' positional ints are sizes (new_empty(0)).
             args = tuple("cpu" if _is_cuda_device(a) else a for a in args)
         if func is torch.Tensor.type:
             if len(args) == 1 and not kwargs:

@@ -44,6 +44,8 @@ assert cpu_compat.activate() is True and cpu_compat.activate() is True  # idempo
 assert torch.zeros(2, device="cuda").device.type == "cpu"
 assert torch.ones(1).cuda().device.type == "cpu"
 assert torch.ones(1).to("cuda:0").device.type == "cpu"
+assert torch.ones(2).new_empty(0).shape == (0,)        # a positional size, not a CUDA ordinal
+assert torch.ones(2).new_empty((3,), device="cuda").device.type == "cpu"
 assert torch.empty(1, device=torch.cuda.current_device()).device.type == "cpu"
 assert torch.ones(1).type() == "torch.cuda.FloatTensor"
 assert torch.ones(1).type("torch.cuda.HalfTensor").dtype == torch.float16
