@@ -22,7 +22,9 @@ def test_the_70b_experiments_exist():
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
-def test_every_experiment_validates_and_fits(experiment, capsys):
+def test_every_experiment_validates_and_fits(experiment, capsys, request):
+    if experiment == "yaml/demo_cpu.yaml":
+        request.getfixturevalue("demo_model")  # its model.path is the folder `make demo` builds
     status = main([experiment])
     out, err = capsys.readouterr()
     assert status == 0, err

@@ -18,13 +18,6 @@ from tests.distributed import REPO_ROOT, _free_port
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def demo_model():
-    from launch.prepare_demo_model import prepare_demo_model
-
-    return prepare_demo_model(REPO_ROOT / ".cache" / "models" / "demo-arith")
-
-
 def run_main(overrides: list[str], timeout: float = 900) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
