@@ -16,12 +16,13 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from parallel.state import find_free_port
 
 MIB = 1024 * 1024
 
@@ -78,19 +79,13 @@ def worker(hf_dir: Path, tensor_model_parallel_size: int, out_dir: Path) -> None
     destroy_model_parallel()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_layout(hf_dir: Path, tensor_model_parallel_size: int) -> list[dict]:
     repo_root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as scratch:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_root), os.environ.get("PYTHONPATH")]))}
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tensor_model_parallel_size}",
-                   "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+                   "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={find_free_port()}",
                    str(Path(__file__).resolve()), "--worker", "--hf-dir", str(hf_dir),
                    "--tp", str(tensor_model_parallel_size), "--worker-out", scratch]
         completed = subprocess.run(command, cwd=repo_root, env=env, capture_output=True, text=True)

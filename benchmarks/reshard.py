@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from parallel.state import find_free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # (pp, tp, dp, vpp, tp_gen): the layouts of the tests, and tp_gen > tp.
@@ -169,19 +170,13 @@ def worker(args) -> None:
 # ------------------------------------------------------------------------------------ driver
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(layouts: list[str], world_size: int, repeats: int, bucket_megabytes: float, timeout: float) -> list[dict]:
     with tempfile.TemporaryDirectory() as directory:
         out = Path(directory) / "records.json"
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TORCHDYNAMO_DISABLE": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
-                   f"--master_port={_free_port()}", "-m", "benchmarks.reshard", "--worker-out", str(out),
+                   f"--master_port={find_free_port()}", "-m", "benchmarks.reshard", "--worker-out", str(out),
                    "--repeats", str(repeats), "--bucket-megabytes", str(bucket_megabytes), "--layouts", *layouts]
         completed = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         if completed.returncode != 0:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from parallel.state import find_free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -142,12 +143,6 @@ def worker(args) -> None:
     destroy_model_parallel()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, help="JSON file for the results")
@@ -190,7 +185,7 @@ def main() -> None:
             tp, pp, _ = (int(x) for x in layout.split(","))
             worker_out = Path(tmp) / f"{layout.replace(',', '_')}.json"
             command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp * pp}",
-                       "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "benchmarks.train_step",
+                       "--master_addr=127.0.0.1", f"--master_port={find_free_port()}", "-m", "benchmarks.train_step",
                        "--worker", "--layout", layout, "--hf-dir", str(hf_dir), "--worker-out", str(worker_out),
                        *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
                          ("steps", "batch", "mini_batch", "micro_batch", "prompt", "response", "vocab")]]

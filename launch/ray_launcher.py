@@ -163,11 +163,9 @@ class SpmdWorker:
         return WorkerPlacement(ray.util.get_node_ip_address(), tuple(str(gpu) for gpu in ray.get_gpu_ids()))
 
     def free_port(self) -> int:
-        import socket
+        from parallel.state import find_free_port
 
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            return sock.getsockname()[1]
+        return find_free_port("")
 
     def run(self, command: list[str], env: dict[str, str], cwd: str, log_path: str | None) -> tuple[int, str]:
         """Run ``command`` with ``env`` added; its output goes to this actor's stdout (Ray forwards

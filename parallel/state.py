@@ -38,7 +38,7 @@ def init_distributed(timeout_minutes: int = 30) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" not in os.environ:  # a plain `python ...` run: a single-rank world
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(find_free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group(backend=backend(), timeout=datetime.timedelta(minutes=timeout_minutes))
 
@@ -79,9 +79,10 @@ def destroy_model_parallel() -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the OS reports free on ``host`` now (rendezvous and server ports of launchers and tests)."""
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
         return sock.getsockname()[1]

@@ -7,20 +7,15 @@ launch. A worker signals failure by raising; its output is attached to the pytes
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Sequence
 
+from parallel.state import find_free_port
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "dist_workers"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_torchrun(
@@ -47,7 +42,7 @@ def run_torchrun(
     command = [
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc_per_node={nproc}", "--nnodes=1",
-        f"--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+        f"--master_addr=127.0.0.1", f"--master_port={find_free_port()}",
         str(script), *args,
     ]
     try:
@@ -63,3 +58,19 @@ def run_torchrun(
             f"--- stdout ---\n{result.stdout[-8000:]}\n--- stderr ---\n{result.stderr[-8000:]}"
         )
     return result
+
+
+def run_main_job(experiment: str, overrides: Sequence[str], nproc: int = 2, timeout: float = 900) -> None:
+    """``torchrun --nproc_per_node nproc -m launch.main experiment overrides...`` on this machine."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+               f"--master_port={find_free_port()}", "-m", "launch.main", experiment, *overrides]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of a run's ``metrics.jsonl``."""
+    import json
+
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -36,7 +36,8 @@ from engine.rollout.base import (
     validate_prompts,
 )
 from engine.rollout.sglang_cpu import memory_occupation_control_supported
-from engine.rollout.sglang_server import SGLangServer, SGLangServerConfig, SGLangServerCrashed, find_free_port
+from engine.rollout.sglang_server import SGLangServer, SGLangServerConfig, SGLangServerCrashed
+from parallel.state import find_free_port
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,6 @@ import atexit
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ import requests
 
 from engine.rollout.base import RolloutError
 from engine.rollout.sglang_cpu import adapt_server_for_cpu, needs_cpu_adaptation
+from parallel.state import find_free_port
 
 LOG_TAIL_LINES = 30
 
@@ -54,12 +54,6 @@ class SGLangServerConfig:
     extra_args: tuple[str, ...] = ()
     startup_timeout_s: float = 600.0
     python_executable: str = sys.executable
-
-
-def find_free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def live_processes_in_group(process_group: int) -> list[int]:
