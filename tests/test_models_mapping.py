@@ -96,7 +96,14 @@ def test_padded_vocab_size_is_aligned_to_tp():
     assert architecture.padded_vocab_size(1) == 49152
     assert architecture.padded_vocab_size(3) == 49152  # 128 * 384
     assert architecture_from_hf(small_config(vocab_size=49153)).padded_vocab_size(3) == 49152 + 384
-    assert architecture_from_hf(small_config()).padded_vocab_size(2) == 256
+    assert architecture_from_hf(small_config()).padded_vocab_size(2) == 128  # lcm(128, 2), not 128 x 2
+
+
+def test_padded_vocab_does_not_depend_on_tp_so_checkpoints_load_across_tp():
+    # Qwen2.5's 151,936 rows: Megatron-LM's 128 x TP rule would give 152,064 at TP2 and 152,576 at TP8.
+    architecture = architecture_from_hf(small_config(vocab_size=151_936))
+    assert {architecture.padded_vocab_size(tp) for tp in (1, 2, 4, 8)} == {151_936}
+    assert architecture_from_hf(small_config(vocab_size=49_153)).padded_vocab_size(8) == 49_280
 
 
 def test_mapping_names_tied_untied_critic_and_te():

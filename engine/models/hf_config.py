@@ -70,8 +70,13 @@ class ModelArchitecture:
         return self.num_attention_heads // self.num_query_groups
 
     def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
-        """Vocab rows in Megatron: rounded up to a multiple of divisible_by x TP size."""
-        multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
+        """Vocab rows in Megatron: rounded up to a multiple of lcm(divisible_by, TP size).
+
+        Megatron-LM pads to divisible_by x TP; we pad to the least common multiple instead, so for
+        every TP that divides divisible_by (1, 2, 4, 8, ... with the default 128) the embedding
+        has the same shape and a checkpoint saved at one TP loads at another.
+        """
+        multiple = math.lcm(self.make_vocab_size_divisible_by, tensor_model_parallel_size)
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
     def padded_num_query_groups(self, tensor_model_parallel_size: int) -> int:

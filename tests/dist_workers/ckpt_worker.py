@@ -47,8 +47,8 @@ class Run:
         initialize_model_parallel(layout, seed=seed)
         self.targets = {}
         for name, value_head in (("actor", False), ("critic", True)):
-            # Vocab padded to the same 128 rows at TP1 and TP2, so both layouts compute the same loss.
-            chunks = build_model_chunks(tiny_hf_config(), layout, value_head=value_head, make_vocab_size_divisible_by=64)
+            # The default padding (lcm(128, TP) rows) gives the same embedding shape at TP1 and TP2.
+            chunks = build_model_chunks(tiny_hf_config(), layout, value_head=value_head)
             config = chunks[0].config
             ddp = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer, grad_reduce_in_fp32=True)
             chunks = [DistributedDataParallel(config, ddp, chunk) for chunk in chunks]
