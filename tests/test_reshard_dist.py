@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from tests.distributed import run_torchrun
+from tests.rollout_support import requires_sglang
 
 pytestmark = pytest.mark.dist
 
@@ -32,10 +33,10 @@ def tiny_llama_dir(tmp_path_factory):
     return directory
 
 
-def run_cases(directory, tmp_path, nproc: int, cases: list[str]) -> list[dict]:
+def run_cases(directory, tmp_path, nproc: int, cases: list[str], engine: str = "torch") -> list[dict]:
     out = tmp_path / "records.json"
-    run_torchrun("reshard_sync.py", nproc, ["--hf-dir", str(directory), "--cases", *cases, "--out", str(out)],
-                 timeout=900)
+    run_torchrun("reshard_sync.py", nproc,
+                 ["--hf-dir", str(directory), "--cases", *cases, "--out", str(out), "--engine", engine], timeout=900)
     records = json.loads(out.read_text())
     assert [r["case"] for r in records] == cases
     return records
@@ -56,3 +57,13 @@ def test_reshard_on_8_ranks(tiny_llama_dir, tmp_path):
     # (pp2,tp2,dp2)->tp_gen2 and (pp1,tp4,dp2)->tp_gen2.
     records = run_cases(tiny_llama_dir, tmp_path, 8, ["2,2,0,2", "1,4,0,2"])
     assert all(r["prompts_checked"] > 0 for r in records)
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+@requires_sglang
+def test_reshard_into_real_sglang_servers(tiny_llama_dir, tmp_path):
+    # (pp1,tp2)->tp_gen1: each rank all-gathers the other's TP shards and pushes them bucket by bucket
+    # into its own SGLang server (2 servers); greedy generation equals HF with the exported weights.
+    (record,) = run_cases(tiny_llama_dir, tmp_path, 2, ["1,2,0,1"], engine="sglang")
+    assert record["prompts_checked"] > 0 and record["max_log_prob_difference"] < 1e-4

@@ -143,8 +143,13 @@ class RolloutSection:
             rollout's log-probs (the PPO ``old_log_prob``); defaults to the actor's micro-batch.
         log_prob_max_token_len_per_gpu: the same with dynamic batching; defaults to the actor's.
         update_weights_bucket_megabytes: size of the buckets the weights travel in to the engine.
-        check_weight_sync: after every weight update, compare the engine's log-probs with the
-            trainer's on a few sequences and fail on a mismatch (costs one extra forward).
+        check_weight_sync: after every weight update, check that the engine serves the actor's
+            weights and fail loudly if not: the embedded engine's tensors are compared with
+            fingerprints of the training shards (exact); for servers that cannot show their
+            tensors (SGLang), the next rollout's log-probs are compared with the trainer's
+            recomputation of them (no extra forward).
+        check_weight_sync_tolerance: the largest mean |rollout - trainer| log-prob per response
+            token that passes (fp32 gives ~1e-6, bf16 ~1e-2; wrong weights give ~1).
         val_kwargs: sampling of the validation responses.
     """
 
@@ -163,6 +168,7 @@ class RolloutSection:
     log_prob_max_token_len_per_gpu: int = II("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
     update_weights_bucket_megabytes: int = 512
     check_weight_sync: bool = False
+    check_weight_sync_tolerance: float = 0.1
     val_kwargs: ValidationSamplingSection = field(default_factory=ValidationSamplingSection)
 
 

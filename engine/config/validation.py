@@ -156,6 +156,8 @@ def _check_ranges(config: ExperimentConfig) -> None:
     _require(0 < rollout.gpu_memory_utilization <= 1, f"{ROLLOUT}.gpu_memory_utilization",
              rollout.gpu_memory_utilization, "in (0, 1]")
     _require(rollout.num_gpus >= 0, f"{ROLLOUT}.num_gpus", rollout.num_gpus, ">= 0")
+    _require(rollout.check_weight_sync_tolerance > 0, f"{ROLLOUT}.check_weight_sync_tolerance",
+             rollout.check_weight_sync_tolerance, "> 0")
     _check_sampling(ROLLOUT, rollout)
     _check_sampling(f"{ROLLOUT}.val_kwargs", rollout.val_kwargs)
     if algorithm.uses_critic:
@@ -183,6 +185,8 @@ def _check_ranges(config: ExperimentConfig) -> None:
         value = getattr(trainer, name)
         meaning = "-1 (only at the end)" if name == "save_freq" else "-1 (off)"
         _require(value == -1 or value >= 1, f"trainer.{name}", value, f"{meaning} or >= 1 (every that many steps)")
+    if trainer.val_only and not config.data.val_files:
+        raise ConfigError("trainer.val_only=true needs data.val_files (the prompts to validate on).")
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode='resume_path' needs trainer.resume_from_path=CHECKPOINT_DIR "
                           "(or use resume_mode=auto to resume from the newest checkpoint in default_local_dir).")

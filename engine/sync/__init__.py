@@ -7,10 +7,11 @@ from engine.sync.weight_sync import (
     WeightSyncReport,
     check_by_log_probs,
     check_engine_weights,
+    check_rollout_log_probs,
     engine_weights,
 )
 
 __all__ = [
     "WeightSyncConfig", "WeightSyncReport", "WeightSynchronizer", "check_by_log_probs", "check_engine_weights",
-    "engine_weights", "owner_of", "parameter_specs",
+    "check_rollout_log_probs", "engine_weights", "owner_of", "parameter_specs",
 ]

@@ -79,6 +79,7 @@ class WeightSyncReport:
     lower_bound_bytes: int
     push_seconds: float
     check_seconds: float = 0.0
+    checked_by_fingerprint: bool = False
 
 
 class WeightSynchronizer:
@@ -120,7 +121,9 @@ class WeightSynchronizer:
         """Reshard and push every bucket into ``engine`` (None: take part only). Collective.
 
         With ``check_weight_sync`` the engine's tensors are compared with fingerprints of the
-        training shards afterwards (``WeightSyncError`` names the tensors that differ).
+        training shards afterwards (``WeightSyncError`` names the tensors that differ). Engines
+        that cannot show their tensors (servers) are left to ``check_rollout_log_probs`` on the
+        next rollout; ``report.checked_by_fingerprint`` says which happened.
         """
         if engine is not None and self.plan.target is ReshardTarget.SHARDED:
             raise ValueError("rollout engines take full HF tensors; use target 'full' or iter_weight_shards()")
@@ -138,10 +141,11 @@ class WeightSynchronizer:
             if engine is not None:
                 engine.end_weight_update()
         report = WeightSyncReport(self.executor.stats, self.traffic.received, self.traffic.lower_bound, push_seconds)
-        if self.config.check_weight_sync and engine is not None:
+        if self.config.check_weight_sync and engine is not None and engine_weights(engine) is not None:
             start = time.perf_counter()
             check_engine_weights(engine, self.executor.expected_fingerprints)
             report.check_seconds = time.perf_counter() - start
+            report.checked_by_fingerprint = True
         return report
 
 
@@ -193,3 +197,24 @@ def check_by_log_probs(
     if bad:
         raise WeightSyncError(f"rollout log-probs differ from the trainer's (atol {atol}): " + "; ".join(bad))
     return worst
+
+
+def check_rollout_log_probs(rollout_log_probs: torch.Tensor, trainer_log_probs: torch.Tensor,
+                            response_mask: torch.Tensor, tolerance: float) -> float:
+    """The sync check for engines that cannot show their tensors: the rollout's own log-probs of
+    the sampled tokens vs the trainer's recomputation (``old_log_prob``) of the same batch.
+
+    Returns the mean absolute difference per response token; raises ``WeightSyncError`` above
+    ``tolerance``. Matching weights differ only by numerics (~1e-6 in fp32, ~1e-2 in bf16); a
+    missed or misplaced tensor changes the distribution and gives differences of order 1.
+    """
+    mask = response_mask.to(torch.float64)
+    difference = ((rollout_log_probs.double() - trainer_log_probs.double()).abs() * mask).sum() / mask.sum().clamp(min=1)
+    difference = float(difference)
+    if difference > tolerance:
+        worst = int(((rollout_log_probs - trainer_log_probs).abs() * response_mask).amax(dim=1).argmax())
+        raise WeightSyncError(
+            f"the rollout engine's log-probs differ from the trainer's by {difference:.3g} per token on average "
+            f"(rollout.check_weight_sync_tolerance={tolerance}; worst sequence: {worst}): the engine does not "
+            "serve the actor's weights")
+    return difference

@@ -21,6 +21,8 @@ from engine.config import ExperimentConfig
 from engine.rewards.manager import decode_responses, token_level_scores
 from engine.roles import RolloutBatch
 from engine.rollout.base import SamplingParams
+from engine.sync import check_rollout_log_probs
+from engine.trainer.checkpoint import export_hf_model
 from engine.trainer.components import PPOComponents, build_components
 from engine.trainer.run_dir import RunDirectory, attach_rank_log_file
 from engine.trainer.tracking import Tracker, memory_metrics, timer
@@ -43,9 +45,10 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
     tracker = Tracker(cfg.trainer.logger, tensorboard_dir=run.tensorboard_dir, metrics_file=run.metrics_file,
                       total_steps=parts.total_training_steps, start_step=step)
     metrics: dict[str, float] = {}
-    if cfg.trainer.val_before_train and parts.val_loader is not None and step == 0:
-        tracker.log(validate(cfg, parts), step)
-    while step < parts.total_training_steps:
+    if parts.val_loader is not None and (cfg.trainer.val_only or (cfg.trainer.val_before_train and step == 0)):
+        metrics = validate(cfg, parts)
+        tracker.log(metrics, step)
+    while step < parts.total_training_steps and not cfg.trainer.val_only:
         for prompts in parts.train_loader:
             step += 1
             metrics = ppo_iteration(cfg, parts, prompts, step)
@@ -61,6 +64,11 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
     tracker.close()
     if parts.engine is not None:
         parts.engine.shutdown()
+    if cfg.trainer.export_hf_at_end and not cfg.trainer.val_only:
+        path = export_hf_model(parts.actor.model_chunks, run.hf_export_dir("actor"),
+                               copy_non_weight_files_from=cfg.actor_rollout_ref.model.path)
+        if rank == 0:
+            print(f"[trident] actor exported as a HuggingFace model: {path}", flush=True)
     if rank == 0:
         print(f"[trident] done after {step} steps; {run.summary()}", flush=True)
     return metrics
@@ -75,6 +83,10 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
         batch, meta, rollout_log_probs = generate(cfg, parts, prompts.repeat_interleave(cfg.actor_rollout_ref.rollout.n))
     with timer("old_log_prob", timings):
         batch.old_log_probs = parts.actor.compute_old_log_probs(batch)["log_probs"]
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.check_weight_sync and rollout.name != "torch":  # the embedded engine was checked by fingerprints
+        check_rollout_log_probs(rollout_log_probs, batch.old_log_probs, batch.response_mask,
+                                rollout.check_weight_sync_tolerance)
     if parts.reference is not None:
         with timer("ref", timings):
             batch.ref_log_probs = parts.reference.compute_ref_log_probs(batch)

@@ -10,6 +10,8 @@ parallel state between cases:
   prediction, and staging memory stays within the bucket plus one tensor;
 - ``WeightSynchronizer.sync`` pushes into an embedded torch engine on each replica leader (which
   starts from other weights), the fingerprint check passes, and a corrupted tensor is named by it;
+  with ``--engine sglang`` into a real SGLang server per replica instead (which cannot show its
+  tensors: before the sync its log-probs must fail the HF check, after it pass);
 - the engine's greedy generation equals that of an HF model holding the exported weights, with
   log-probs equal within 1e-4 (check_by_log_probs), and the DP rank's prompts split over the
   micro-DP replicas come back complete and in order on every rank.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -84,12 +87,21 @@ def check_received(shards, reference: dict, target: str) -> int:
     return count
 
 
-def run_case(case: str, hf_dir: str, bucket_megabytes: float) -> dict:
+def start_engine(engine_name: str, hf_dir: str, run_dir: str):
+    if engine_name == "torch":
+    
+        return TorchRolloutEngine(TorchRolloutConfig(model_path=hf_dir, dtype="float32", device="cpu"))
+    from engine.rollout import create_rollout_engine
+
+    return create_rollout_engine("sglang", model_path=hf_dir, run_dir=run_dir, gpu_memory_utilization=0.05,
+                                 dtype="float32", startup_timeout_s=600, weight_update_timeout_s=120)
+
+
+def run_case(case: str, hf_dir: str, bucket_megabytes: float, engine_name: str, run_dir: str) -> dict:
     from megatron.core import parallel_state
 
     from engine.models.checkpoint import export_hf_state_dict
     from engine.models.gpt import build_model_chunks
-    from engine.rollout.torch_engine import TorchRolloutConfig, TorchRolloutEngine
     from engine.sync import WeightSyncConfig, WeightSynchronizer, check_by_log_probs, check_engine_weights, engine_weights
     from parallel.hybrid_engine import WeightSyncError, gather_generation_results, split_for_generation
     from parallel.layout import ParallelLayout
@@ -125,18 +137,30 @@ def run_case(case: str, hf_dir: str, bucket_megabytes: float) -> dict:
                           "peak_staging": stats.peak_staging_bytes, "buckets": stats.num_buckets}
 
     # The full path into real engines, with the fingerprint check on.
+    hf_model = hf_reference_model(hf_dir, reference)
     engine = None
     if sync.is_replica_leader:
-        engine = TorchRolloutEngine(TorchRolloutConfig(model_path=hf_dir, dtype="float32", device="cpu"))
-        before = engine_weights(engine)["model.layers.0.self_attn.q_proj.weight"].clone()
-        assert not torch.equal(before, reference["model.layers.0.self_attn.q_proj.weight"])
+        engine = start_engine(engine_name, hf_dir, f"{run_dir}/rank{rank}")
+        weights = engine_weights(engine)
+        if weights is not None:
+            before = weights["model.layers.0.self_attn.q_proj.weight"].clone()
+            assert not torch.equal(before, reference["model.layers.0.self_attn.q_proj.weight"])
+        else:  # the server starts from other weights: its log-probs must fail the check
+            try:
+                check_by_log_probs(engine, [[5, 6, 7]], lambda p, r: hf_log_probs(hf_model, p, r), MAX_NEW_TOKENS,
+                                   atol=1e-4)
+            except WeightSyncError:
+                pass
+            else:
+                raise AssertionError("the engine matched the trained weights before any sync")
     full_sync = WeightSynchronizer(chunks, layout, WeightSyncConfig(
         tensor_model_parallel_size=tg, update_weights_bucket_megabytes=bucket_megabytes, dtype="float32",
         check_weight_sync=True))
     report = full_sync.sync(engine)
     record["sync_seconds"] = report.stats.seconds
+    if engine is not None:
+        assert report.checked_by_fingerprint == (engine_name == "torch"), report
 
-    hf_model = hf_reference_model(hf_dir, reference)
     dp_rank = full_sync.layout.training.coordinates(rank).data
     prompts = [[3 + dp_rank, 7 + i, 11 + (i * 5) % 50] for i in range(PROMPTS_PER_DP_RANK)]
     mine = split_for_generation(prompts, full_sync.layout, rank)
@@ -146,7 +170,9 @@ def run_case(case: str, hf_dir: str, bucket_megabytes: float) -> dict:
 
         samples = engine.generate(mine, SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True))
         results = [sample[0].token_ids for sample in samples]
-        check_by_log_probs(engine, mine[:2], lambda p, r: hf_log_probs(hf_model, p, r), MAX_NEW_TOKENS, atol=1e-4)
+        record["max_log_prob_difference"] = check_by_log_probs(
+            engine, mine[:2], lambda p, r: hf_log_probs(hf_model, p, r), MAX_NEW_TOKENS, atol=1e-4)
+    if engine is not None and engine_name == "torch":
         # A wrong row order in one tensor must be named by the fingerprint check.
         weights = engine_weights(engine)
         name = "model.layers.1.self_attn.k_proj.weight"
@@ -158,6 +184,7 @@ def run_case(case: str, hf_dir: str, bucket_megabytes: float) -> dict:
             assert name in str(error) and "q_proj" not in str(error), str(error)
         else:
             raise AssertionError("a flipped k_proj passed the fingerprint check")
+    if engine is not None:
         engine.shutdown()
     gathered = gather_generation_results(results, full_sync.groups)
     expected = [hf_greedy(hf_model, prompt) for prompt in prompts]
@@ -171,12 +198,14 @@ def main() -> None:
     parser.add_argument("--hf-dir", required=True)
     parser.add_argument("--cases", nargs="+", required=True, help="pp,tp,vpp,tp_gen (vpp 0 = none)")
     parser.add_argument("--bucket-megabytes", type=float, default=0.05)
+    parser.add_argument("--engine", choices=["torch", "sglang"], default="torch")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     from parallel.state import destroy_model_parallel
 
-    records = [run_case(case, args.hf_dir, args.bucket_megabytes) for case in args.cases]
+    run_dir = str(Path(args.out).parent / "engines")
+    records = [run_case(case, args.hf_dir, args.bucket_megabytes, args.engine, run_dir) for case in args.cases]
     if torch.distributed.get_rank() == 0:
         with open(args.out, "w") as handle:
             json.dump(records, handle, indent=1)
