@@ -334,6 +334,11 @@ def test_out_of_range_values(override, fragment):
     assert fragment in error_of(DEMO, [override])
 
 
+def test_validation_only_needs_validation_prompts():
+    message = error_of(DEMO, ["trainer.val_only=true", "data.val_files=[]"])
+    assert message == "trainer.val_only=true needs data.val_files (the prompts to validate on)."
+
+
 # ----------------------------------------------------------------------------- entry point
 
 

@@ -6,28 +6,15 @@ accuracy on two-term additions (reasoning-gym basic_arithmetic, scored by reason
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.distributed import REPO_ROOT, _free_port
+from tests.distributed import read_metrics, run_main_job
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
-def run_main(overrides: list[str], timeout: float = 900) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={_free_port()}", "-m", "launch.main", "yaml/demo_cpu.yaml", *overrides]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
-
-
-def read_metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def run_main(overrides: list[str]) -> None:
+    run_main_job("yaml/demo_cpu.yaml", overrides)
 
 
 def test_reward_rises_at_tensor_parallel_2(demo_model, tmp_path):
@@ -52,6 +39,18 @@ def test_reward_rises_at_tensor_parallel_2(demo_model, tmp_path):
     # Train/inference parity: the engine's sampled log-probs equal the trainer's recomputation.
     assert max(r["rollout/log_prob_abs_diff"] for r in rows if "rollout/log_prob_abs_diff" in r) < 1e-4
     assert (run_dir / "tensorboard").glob("events.out.tfevents.*")
+
+    # The HF export of the trained actor, validated by a fresh job at TP1 (the export is
+    # layout-free): greedy decoding is deterministic, so it scores exactly what the last
+    # in-training validation scored.
+    export = run_dir / "hf" / "actor"
+    assert (export / "config.json").is_file() and (export / "tokenizer_config.json").is_file()
+    evaluation = tmp_path / "evaluate_export"
+    run_main([f"trainer.default_local_dir={evaluation}", f"actor_rollout_ref.model.path={export}",
+              "trainer.val_only=true"])
+    exported_accuracy = [r["val/accuracy"] for r in read_metrics(evaluation) if "val/accuracy" in r]
+    assert exported_accuracy == [accuracy[-1]]
+    assert not (evaluation / "hf").exists()
 
 
 def test_resume_continues_exactly(demo_model, tmp_path):

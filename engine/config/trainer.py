@@ -22,12 +22,15 @@ class TrainerSection:
         save_freq: checkpoint every this many iterations; -1 = only at the end.
         test_freq: validate every this many iterations; -1 = never during training.
         val_before_train: validate once before the first iteration.
+        val_only: validate the model at ``model.path`` (or the resumed checkpoint) once and stop.
         max_ckpt_to_keep: keep only the newest this-many checkpoints; null keeps all.
         resume_mode: "auto" resumes from the newest checkpoint in ``default_local_dir`` if any,
             "disable" always starts fresh, "resume_path" resumes from ``resume_from_path``.
         resume_from_path: the checkpoint directory for ``resume_mode=resume_path``.
         default_local_dir: the run directory: checkpoints, logs, the resolved config.
         logger: metric sinks, any of "console", "tensorboard", "jsonl".
+        export_hf_at_end: write the trained actor as a HuggingFace folder (``<run>/hf/actor``,
+            with the tokenizer and chat template of ``model.path``) when the run finishes.
         seed: seed of everything not seeded elsewhere (sampling, init of new heads).
     """
 
@@ -41,9 +44,11 @@ class TrainerSection:
     save_freq: int = -1
     test_freq: int = -1
     val_before_train: bool = True
+    val_only: bool = False
     max_ckpt_to_keep: int | None = None
     resume_mode: str = "auto"
     resume_from_path: str | None = None
     default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"
     logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
+    export_hf_at_end: bool = True
     seed: int = 1
