@@ -92,3 +92,18 @@ def test_markdown_snippet_is_in_the_docs():
     docs = (REPO / "docs" / "planner.md").read_text()
     for experiment in LARGE:
         assert markdown_text(make_plan(experiment)) in docs, f"regenerate docs/planner.md for {experiment}"
+
+
+def test_readme_prints_the_current_70b_estimates():
+    readme = (REPO / "README.md").read_text().splitlines()
+    gib = 2 ** 30
+    for experiment in LARGE:
+        report = make_plan(experiment)
+        phases = {phase.phase: phase for phase in report.memory.phases}
+        headroom = min(phase.capacity_bytes - phase.total_bytes for phase in report.memory.phases)
+        sync = report.memory.sync
+        expected = [f"{phases['rollout'].total_bytes / gib:.1f}", f"{phases['update_actor'].total_bytes / gib:.1f}",
+                    f"{headroom / gib:.1f}", f"{sync.received_bytes / gib:.1f} / {sync.gather_all_bytes / gib:.1f}"]
+        row = next(line for line in readme if line.startswith(f"| `{experiment}` |"))
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert cells[-4:] == expected, f"update README.md's row for {experiment}"
