@@ -89,7 +89,8 @@ def check_received(shards, reference: dict, target: str) -> int:
 
 def start_engine(engine_name: str, hf_dir: str, run_dir: str):
     if engine_name == "torch":
-    
+        from engine.rollout.torch_engine import TorchRolloutConfig, TorchRolloutEngine
+
         return TorchRolloutEngine(TorchRolloutConfig(model_path=hf_dir, dtype="float32", device="cpu"))
     from engine.rollout import create_rollout_engine
 
