@@ -26,8 +26,6 @@ import json
 import logging
 import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +33,7 @@ from typing import Any
 
 from engine.models.char_tokenizer import (BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, VOCAB_SIZE,
                                           build_char_tokenizer)
-from engine.models.smollm2 import _exclusive_lock
+from engine.models.model_folder import exclusive_lock, staged_folder
 
 logger = logging.getLogger(__name__)
 
@@ -297,15 +295,12 @@ def prepare_demo_model(out_dir: str | os.PathLike = DEFAULT_DIR, recipe: DemoRec
                          f"sft.eval_interval={recipe.sft.eval_interval} > 0")
     out_dir = Path(out_dir).resolve()
     recipe_hash = recipe.hash()
-    with _exclusive_lock(out_dir.parent / f".{out_dir.name}.lock"):
+    with exclusive_lock(out_dir):
         recorded = read_recipe_file(out_dir)
         if not force and recorded is not None and recorded.get("recipe_hash") == recipe_hash:
             return _result_from_folder(out_dir, recorded, trained=False)
 
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-        staging.chmod(0o755)  # mkdtemp makes it owner-only
-        try:
+        with staged_folder(out_dir) as staging:
             started = time.monotonic()
             train_file, val_file = generate_demo_data(recipe.data, staging / DATA_SUBDIR)
             train_records, val_records = read_prompt_file(train_file), read_prompt_file(val_file)
@@ -322,12 +317,6 @@ def prepare_demo_model(out_dir: str | os.PathLike = DEFAULT_DIR, recipe: DemoRec
                         "sft_pairs": len(pairs), "val_accuracy": evaluation.accuracy,
                         "val_mean_score": evaluation.mean_score, "build_seconds": round(time.monotonic() - started, 1)}
             (staging / RECIPE_FILE).write_text(json.dumps(recorded, indent=2, sort_keys=True) + "\n")
-            if out_dir.exists():
-                shutil.rmtree(out_dir)
-            os.replace(staging, out_dir)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
     logger.info("demo model in %s: %d SFT steps, greedy val accuracy %.3f", out_dir, steps, evaluation.accuracy)
     return _result_from_folder(out_dir, recorded, trained=True)
 

@@ -16,15 +16,11 @@ add a BOS token.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import importlib.util
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Iterator
+
+from engine.models.model_folder import exclusive_lock, staged_folder
 
 logger = logging.getLogger(__name__)
 
@@ -61,18 +57,6 @@ def is_converted(out_dir: str | Path) -> bool:
     return (Path(out_dir) / COMPLETE_MARKER).is_file()
 
 
-@contextlib.contextmanager
-def _exclusive_lock(lock_path: Path) -> Iterator[None]:
-    # Tests and the demo may convert at the same time; one converts, the others then reuse it.
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def convert(out_dir: str | Path = DEFAULT_DIR, *, overwrite: bool = False) -> Path:
     """Convert the packaged GGUF into an HF folder at ``out_dir`` (reused if already converted).
 
@@ -80,7 +64,7 @@ def convert(out_dir: str | Path = DEFAULT_DIR, *, overwrite: bool = False) -> Pa
     fixed tokenizer. Returns ``out_dir``.
     """
     out_dir = Path(out_dir).resolve()
-    with _exclusive_lock(out_dir.parent / f".{out_dir.name}.lock"):
+    with exclusive_lock(out_dir):
         if is_converted(out_dir) and not overwrite:
             return out_dir
         source = gguf_path()
@@ -88,18 +72,10 @@ def convert(out_dir: str | Path = DEFAULT_DIR, *, overwrite: bool = False) -> Pa
         model, tokenizer = _load_gguf(source)
         _fix_end_of_turn(tokenizer, model)
 
-        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-        staging.chmod(0o755)  # mkdtemp makes it owner-only
-        try:
+        with staged_folder(out_dir) as staging:
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
             (staging / COMPLETE_MARKER).write_text(f"converted from {source}\n")
-            if out_dir.exists():
-                shutil.rmtree(out_dir)
-            os.replace(staging, out_dir)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
     return out_dir
 
 
