@@ -22,6 +22,17 @@ requires_sglang = pytest.mark.skipif(
 SGLANG_MARKS = [pytest.mark.sglang, pytest.mark.slow, requires_sglang]
 
 
+def start_cpu_sglang(model_path: Path | str, run_dir: Path | str, **overrides):
+    """A real SGLang engine on CPU with the test settings: fp32, a small memory fraction, a long
+    start-up allowance, and one OpenMP thread (two shared cores; the server inherits the env)."""
+    from engine.rollout import create_rollout_engine
+
+    settings = {"gpu_memory_utilization": 0.05, "dtype": "float32", "startup_timeout_s": 600, **overrides}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        return create_rollout_engine("sglang", model_path=str(model_path), run_dir=str(run_dir), **settings)
+
+
 @dataclasses.dataclass
 class TinyModel:
     path: Path

@@ -20,6 +20,7 @@ from tests.rollout_support import (
     build_tiny_model,
     random_llama,
     reference_log_probs,
+    start_cpu_sglang,
     teacher_forced_logits,
 )
 
@@ -36,18 +37,7 @@ def engine(request, tiny, tmp_path_factory):
     if request.param == "torch":
         rollout = create_rollout_engine("torch", model_path=str(tiny.path), max_batch_size=8)
     else:
-        with pytest.MonkeyPatch.context() as patch:
-            # Two shared cores: keep the server's OpenMP pool small.
-            patch.setenv("OMP_NUM_THREADS", "1")
-            rollout = create_rollout_engine(
-                "sglang",
-                model_path=str(tiny.path),
-                run_dir=str(tmp_path_factory.mktemp("sglang_run")),
-                gpu_memory_utilization=0.05,
-                dtype="float32",
-                startup_timeout_s=600,
-                max_concurrent_requests=16,
-            )
+        rollout = start_cpu_sglang(tiny.path, tmp_path_factory.mktemp("sglang_run"), max_concurrent_requests=16)
     yield rollout
     rollout.shutdown()
 

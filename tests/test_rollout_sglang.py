@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from engine.rollout import SamplingParams, WeightUpdateError, create_rollout_engine
+from engine.rollout import SamplingParams, WeightUpdateError
 from engine.rollout.sglang_server import SGLangServer, SGLangServerConfig, SGLangServerCrashed, live_processes_in_group
-from tests.rollout_support import PROMPTS, SGLANG_MARKS, build_tiny_model, random_llama, reference_log_probs, teacher_forced_logits
+from tests.rollout_support import PROMPTS, SGLANG_MARKS, build_tiny_model, start_cpu_sglang, random_llama, reference_log_probs, teacher_forced_logits
 
 pytestmark = SGLANG_MARKS
 
@@ -27,17 +27,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny, tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OMP_NUM_THREADS", "1")
-        rollout = create_rollout_engine(
-            "sglang",
-            model_path=str(tiny.path),
-            run_dir=str(tmp_path_factory.mktemp("sglang_run")),
-            gpu_memory_utilization=0.05,
-            dtype="float32",
-            startup_timeout_s=600,
-            weight_update_timeout_s=60,
-        )
+    rollout = start_cpu_sglang(tiny.path, tmp_path_factory.mktemp("sglang_run"), weight_update_timeout_s=60)
     yield rollout
     rollout.shutdown()
 

@@ -92,10 +92,9 @@ def start_engine(engine_name: str, hf_dir: str, run_dir: str):
         from engine.rollout.torch_engine import TorchRolloutConfig, TorchRolloutEngine
 
         return TorchRolloutEngine(TorchRolloutConfig(model_path=hf_dir, dtype="float32", device="cpu"))
-    from engine.rollout import create_rollout_engine
+    from tests.rollout_support import start_cpu_sglang
 
-    return create_rollout_engine("sglang", model_path=hf_dir, run_dir=run_dir, gpu_memory_utilization=0.05,
-                                 dtype="float32", startup_timeout_s=600, weight_update_timeout_s=120)
+    return start_cpu_sglang(hf_dir, run_dir, weight_update_timeout_s=120)
 
 
 def run_case(case: str, hf_dir: str, bucket_megabytes: float, engine_name: str, run_dir: str) -> dict:
