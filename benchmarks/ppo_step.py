@@ -84,7 +84,7 @@ def main() -> None:
     from engine.config import load_config
     from launch.prepare_demo_model import prepare_demo_model
 
-    prepare_demo_model(REPO_ROOT / ".cache" / "models" / "demo-arith")
+    prepare_demo_model()  # the folder yaml/demo_cpu.yaml reads
     cfg = load_config(REPO_ROOT / EXPERIMENT)
     ppo_epochs = cfg.actor_rollout_ref.actor.ppo_epochs
     batch_rows = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
