@@ -37,14 +37,16 @@ class RewardManager:
     """Scores responses with the configured compute_score; a raising call scores 0 and is counted.
 
     The compute_score function is resolved (and a custom file imported) in the constructor, so a bad
-    `reward_model.custom_reward_function` fails at start-up.
+    `reward_model.custom_reward_function` fails at start-up. With `reward_model.num_workers > 0`
+    scoring goes to a Ray pool, started here unless `start_pool` is False (in an SPMD job one rank
+    holds the job's pool: `engine.rewards.spmd`).
     """
 
-    def __init__(self, config: RewardConfig):
+    def __init__(self, config: RewardConfig, *, start_pool: bool = True):
         self.config = config
         self.compute_score = resolve_compute_score(config)
         self.pool = None
-        if config.num_workers > 0:
+        if config.num_workers > 0 and start_pool:
             from engine.rewards.ray_pool import RewardWorkerPool
 
             self.pool = RewardWorkerPool(config)
@@ -61,19 +63,17 @@ class RewardManager:
     def score(self, responses: Sequence[str], data_sources: Sequence[str], ground_truths: Sequence[Any],
               extra_infos: Sequence[dict[str, Any] | None] | None = None) -> RewardResult:
         """Score decoded responses against their rows' ground truth; results are in input order."""
-        extra_infos = list(extra_infos) if extra_infos is not None else [None] * len(responses)
-        if not len(responses) == len(data_sources) == len(ground_truths) == len(extra_infos):
-            raise ValueError(f"batch fields differ in length: {len(responses)} responses, {len(data_sources)} "
-                             f"data_sources, {len(ground_truths)} ground_truths, {len(extra_infos)} extra_infos")
-        items = list(zip(data_sources, responses, ground_truths, extra_infos))
+        items = batch_items(responses, data_sources, ground_truths, extra_infos)
+        return self.collect(self.score_items(items), data_sources)
+
+    def score_items(self, items: Sequence[tuple[str, str, Any, dict | None]]) -> list[ScoredSample]:
+        """Score (data_source, solution_str, ground_truth, extra_info) tuples, in the pool if there is one."""
         if self.pool is not None:
-            scored = self.pool.score(items)
-        else:
-            scored = [score_one(self.compute_score, *item) for item in items]
-        return self._collect(scored, data_sources)
+            return self.pool.score(items)
+        return [score_one(self.compute_score, *item) for item in items]
 
     @staticmethod
-    def _collect(scored: list[ScoredSample], data_sources: Sequence[str]) -> RewardResult:
+    def collect(scored: list[ScoredSample], data_sources: Sequence[str]) -> RewardResult:
         errors = [sample.error for sample in scored]
         failed = [i for i, error in enumerate(errors) if error is not None]
         if failed:
@@ -94,6 +94,16 @@ class RewardManager:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+
+def batch_items(responses: Sequence[str], data_sources: Sequence[str], ground_truths: Sequence[Any],
+                extra_infos: Sequence[dict[str, Any] | None] | None = None) -> list[tuple[str, str, Any, dict | None]]:
+    """The batch's fields as (data_source, solution_str, ground_truth, extra_info) tuples, checked for equal length."""
+    extra_infos = list(extra_infos) if extra_infos is not None else [None] * len(responses)
+    if not len(responses) == len(data_sources) == len(ground_truths) == len(extra_infos):
+        raise ValueError(f"batch fields differ in length: {len(responses)} responses, {len(data_sources)} "
+                         f"data_sources, {len(ground_truths)} ground_truths, {len(extra_infos)} extra_infos")
+    return list(zip(data_sources, responses, ground_truths, extra_infos))
 
 
 def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

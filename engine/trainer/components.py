@@ -19,6 +19,7 @@ from engine.algo.kl import build_kl_controller
 from engine.config import ExperimentConfig
 from engine.data import PromptDataLoader, PromptDataset
 from engine.rewards.manager import RewardManager
+from engine.rewards.spmd import reward_manager_for_this_rank
 from engine.roles import (
     ActorConfig,
     CriticConfig,
@@ -112,7 +113,7 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
         val_set = PromptDataset.from_config(data_config, tokenizer, "val")
         val_loader = PromptDataLoader.for_validation(val_set, data_config, data_parallel_rank=dp_rank,
                                                      data_parallel_size=dp_size)
-    rewards = RewardManager(cfg.reward_model)
+    rewards = reward_manager_for_this_rank(cfg.reward_model)
     rewards.check_data_sources(train_set.data_sources)
 
     batches_per_epoch = len(train_set) // cfg.data.train_batch_size

@@ -19,6 +19,7 @@ from engine.algo.kl import apply_kl_penalty
 from engine.algo.stats import masked_mean
 from engine.config import ExperimentConfig
 from engine.rewards.manager import decode_responses, token_level_scores
+from engine.rewards.spmd import score_on_all_ranks
 from engine.roles import RolloutBatch
 from engine.rollout.base import SamplingParams
 from engine.sync import check_rollout_log_probs
@@ -95,7 +96,8 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
             batch.values = parts.critic.compute_values(batch)
     with timer("reward", timings):
         responses = decode_responses(parts.tokenizer, batch.input_ids[:, -batch.response_length:], batch.response_mask)
-        scored = parts.rewards.score(responses, meta["data_sources"], meta["ground_truths"], meta["extra_infos"])
+        scored = score_on_all_ranks(parts.rewards, responses, meta["data_sources"], meta["ground_truths"],
+                                    meta["extra_infos"])
         scores = torch.as_tensor(scored.scores, dtype=torch.float32)
         rewards = token_level_scores(scores, batch.response_mask)
     with timer("adv", timings):
@@ -213,7 +215,8 @@ def validate(cfg: ExperimentConfig, parts: PPOComponents) -> dict[str, float]:
     for prompts in parts.val_loader:
         batch, meta, _ = _generate_with(parts, prompts, params)
         responses = decode_responses(parts.tokenizer, batch.input_ids[:, -batch.response_length:], batch.response_mask)
-        scores += parts.rewards.score(responses, meta["data_sources"], meta["ground_truths"], meta["extra_infos"]).scores
+        scores += score_on_all_ranks(parts.rewards, responses, meta["data_sources"], meta["ground_truths"],
+                                     meta["extra_infos"]).scores
     return {"val/score/mean": float(sum(scores) / max(len(scores), 1)),
             "val/accuracy": float(sum(s >= 1.0 for s in scores) / max(len(scores), 1))}
 

@@ -1,0 +1,49 @@
+"""Scoring the global rollout batch once per job in an SPMD run, not once per rank.
+
+After generation every rank holds the same global batch. Scoring it on every rank would repeat the
+work world-size times and, for a reward that is not deterministic (a sampled judge, a timed
+sandbox), give ranks different scores and so different advantages. Instead each response is scored
+by exactly one rank and the results are shared:
+- in-process scorers: rank r scores rows r, r + W, r + 2W, ... (strided, so long and short
+  responses spread evenly) and the shares are all-gathered back into input order;
+- a Ray pool (`reward_model.num_workers > 0`): only global rank 0 holds the job's pool, scores the
+  whole batch there and broadcasts the results (one pool per job, not one per rank).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+from engine.rewards.config import RewardConfig
+from engine.rewards.manager import RewardManager, RewardResult, batch_items
+from engine.rewards.scoring import ScoredSample
+
+
+def reward_manager_for_this_rank(config: RewardConfig) -> RewardManager:
+    """The job's reward manager on this rank: the Ray pool, if configured, starts on global rank 0 only."""
+    is_rank_zero = not dist.is_initialized() or dist.get_rank() == 0
+    return RewardManager(config, start_pool=is_rank_zero)
+
+
+def score_on_all_ranks(manager: RewardManager, responses: Sequence[str], data_sources: Sequence[str],
+                       ground_truths: Sequence[Any], extra_infos: Sequence[dict | None] | None = None) -> RewardResult:
+    """`manager.score` of the global batch that every rank holds, each response scored on one rank only.
+
+    Every rank must call this with the same batch; all get the same `RewardResult`.
+    """
+    items = batch_items(responses, data_sources, ground_truths, extra_infos)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return manager.collect(manager.score_items(items), data_sources)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if manager.config.num_workers > 0:
+        box: list[list[ScoredSample] | None] = [manager.score_items(items) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        scored = box[0]
+    else:
+        shares: list[list[ScoredSample] | None] = [None] * world
+        dist.all_gather_object(shares, manager.score_items(items[rank::world]))
+        scored = [None] * len(items)
+        for owner, share in enumerate(shares):
+            scored[owner::world] = share
+    return manager.collect(scored, data_sources)
