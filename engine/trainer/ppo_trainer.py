@@ -18,7 +18,7 @@ from engine.algo.advantages import AdvantageInputs, compute_advantages
 from engine.algo.kl import apply_kl_penalty
 from engine.algo.stats import masked_mean
 from engine.config import ExperimentConfig
-from engine.rewards.manager import decode_responses, token_level_scores
+from engine.rewards.manager import RewardResult, decode_responses, token_level_scores
 from engine.rewards.spmd import score_on_all_ranks
 from engine.roles import RolloutBatch
 from engine.rollout.base import SamplingParams
@@ -95,9 +95,7 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
         with timer("values", timings):
             batch.values = parts.critic.compute_values(batch)
     with timer("reward", timings):
-        responses = decode_responses(parts.tokenizer, batch.input_ids[:, -batch.response_length:], batch.response_mask)
-        scored = score_on_all_ranks(parts.rewards, responses, meta["data_sources"], meta["ground_truths"],
-                                    meta["extra_infos"])
+        scored = _score(parts, batch, meta)
         scores = torch.as_tensor(scored.scores, dtype=torch.float32)
         rewards = token_level_scores(scores, batch.response_mask)
     with timer("adv", timings):
@@ -169,6 +167,13 @@ def _generate_with(parts: PPOComponents, prompts, params: SamplingParams):
     return batch, meta, rollout_log_probs
 
 
+def _score(parts: PPOComponents, batch: RolloutBatch, meta: dict) -> RewardResult:
+    """The rule rewards of the decoded responses, each scored on one rank (``score_on_all_ranks``)."""
+    responses = decode_responses(parts.tokenizer, batch.input_ids[:, -batch.response_length:], batch.response_mask)
+    return score_on_all_ranks(parts.rewards, responses, meta["data_sources"], meta["ground_truths"],
+                              meta["extra_infos"])
+
+
 def _to_rollout_batch(prompts, responses, response_length: int, pad_id: int):
     prompt_length = max(len(p) for p in prompts)
     rows = len(prompts)
@@ -214,9 +219,7 @@ def validate(cfg: ExperimentConfig, parts: PPOComponents) -> dict[str, float]:
     scores = []
     for prompts in parts.val_loader:
         batch, meta, _ = _generate_with(parts, prompts, params)
-        responses = decode_responses(parts.tokenizer, batch.input_ids[:, -batch.response_length:], batch.response_mask)
-        scores += score_on_all_ranks(parts.rewards, responses, meta["data_sources"], meta["ground_truths"],
-                                     meta["extra_infos"]).scores
+        scores += _score(parts, batch, meta).scores
     return {"val/score/mean": float(sum(scores) / max(len(scores), 1)),
             "val/accuracy": float(sum(s >= 1.0 for s in scores) / max(len(scores), 1))}
 
