@@ -124,7 +124,7 @@ def worker(args) -> None:
     dp = parallel_state.get_data_parallel_world_size()
     config = ActorConfig(ppo_mini_batch_size=args.mini_batch, ppo_micro_batch_size_per_gpu=max(1, args.micro_batch // dp),
                          shuffle=False, loss=loss_config())
-    actor = MegatronActor(chunks, config, OptimConfig(lr=1e-5, betas=(0.9, 0.95), bf16=torch.cuda.is_available()),
+    actor = MegatronActor(chunks, config, OptimConfig(lr=1e-5, betas=(0.9, 0.95)),
                           total_training_steps=100, use_remove_padding=True)
     batch = make_batch(args)
     actor.update_policy(batch)  # warm-up

@@ -192,11 +192,15 @@ def test_pause_with_abort_returns_aborted_requests_then_generation_continues(eng
     assert sample.finish_reason == "length" and len(sample.token_ids) == 4
 
 
-def test_health_and_memory_release_resume(engine):
+def test_memory_release_then_resume_weights_push_and_resume_cache(engine, tiny):
+    """The colocated hand-off: released weights are gone until pushed again (SGLang's memory saver
+    drops them too); resume weights -> push -> resume KV cache serves the model as before."""
     assert engine.health()
     params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
     before = engine.generate(PROMPTS[:1], params)
     engine.release_memory()
-    engine.resume_memory()
+    engine.resume_memory(["weights"])
+    engine.update_weights(tiny.model.state_dict().items(), bucket_megabytes=0.01)
+    engine.resume_memory(["kv_cache"])
     assert engine.health()
     assert_same_outputs(engine.generate(PROMPTS[:1], params), before)

@@ -10,7 +10,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from engine.trainer.run_dir import RunDirectory, attach_rank_log_file
-from engine.trainer.tracking import ProgressEstimate, Tracker, format_console_line, format_duration, memory_metrics, timer
+from engine.trainer.tracking import (ProgressEstimate, Tracker, format_console_line, format_duration, phase,
+                                    step_peak_memory)
 
 STEP_METRICS = {
     "actor/pg_loss": -0.0123, "actor/ppo_kl": 1.5e-4, "actor/pg_clipfrac": 0.02, "actor/entropy": 1.9,
@@ -93,21 +94,38 @@ def test_tracker_rejects_bad_input(tmp_path):
         tracker.log({"actor/pg_loss": "abc"}, step=1)
 
 
-def test_timer_accumulates():
+def test_phase_accumulates_time():
     ticks = iter([10.0, 11.5, 20.0, 20.25])
-    timings = {}
+    metrics = {}
     import engine.trainer.tracking as tracking
 
     original = tracking.time.perf_counter
     tracking.time.perf_counter = lambda: next(ticks)
     try:
-        with timer("gen", timings):
+        with phase("gen", metrics):
             pass
-        with timer("gen", timings):
+        with phase("gen", metrics):
             pass
     finally:
         tracking.time.perf_counter = original
-    assert timings == {"timing_s/gen": 1.75}
+    assert metrics["timing_s/gen"] == 1.75
+
+
+def test_phase_peak_memory_is_per_phase():
+    """Each phase reports the peak of its own window (the process-wide peak is reset on entry)."""
+    metrics = {}
+    with phase("big", metrics):
+        block = bytearray(300 * 1024**2)  # touched: calloc'd pages are written below
+        block[::4096] = b"x" * len(block[::4096])
+        del block
+    with phase("small", metrics):
+        pass
+    big, small = metrics["perf/max_rss_gb/big"], metrics["perf/max_rss_gb/small"]
+    assert big - small > 0.25, metrics  # 300 MiB = 0.29 GiB
+    assert step_peak_memory(metrics)["perf/max_rss_gb"] == big
+    import torch
+
+    assert ("perf/max_memory_allocated_gb/big" in metrics) == torch.cuda.is_available()
 
 
 def test_progress_estimate_and_formatting():
@@ -119,14 +137,6 @@ def test_progress_estimate_and_formatting():
     assert ProgressEstimate(None).describe(3) == "step 3"
     assert format_duration(3723) == "1:02:03" and format_duration(None) == "-"
     assert format_console_line("step 1", {"actor/pg_loss": 0.123456, "x": 1.0}, ["actor/pg_loss", "y"]) == "step 1 | actor/pg_loss 0.1235"
-
-
-def test_memory_metrics_on_this_machine():
-    metrics = memory_metrics()
-    assert metrics["perf/cpu_max_rss_gb"] > 0.01
-    import torch
-
-    assert ("perf/max_memory_allocated_gb" in metrics) == torch.cuda.is_available()
 
 
 @dataclass

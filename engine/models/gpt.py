@@ -32,6 +32,14 @@ def use_transformer_engine() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
+def recompute_settings(gradient_checkpointing: bool) -> dict[str, Any]:
+    """TransformerConfig keys for ``model.enable_gradient_checkpointing``: megatron's full
+    activation recompute of every layer (each layer keeps only its input for the backward pass)."""
+    if not gradient_checkpointing:
+        return {}
+    return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
 def layer_spec(transformer_engine: bool):
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,

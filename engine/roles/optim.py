@@ -24,7 +24,10 @@ class OptimConfig:
         lr_decay_style: one of ``LR_DECAY_STYLES`` after warm-up.
         min_lr: floor of the decayed learning rate.
         use_distributed_optimizer: shard optimizer state over data-parallel ranks (ZeRO-1).
-        bf16: bf16 parameters with fp32 main weights and gradients (the GPU default).
+
+    The precision is the model's own (``TransformerConfig.bf16`` / ``fp16``, from
+    ``megatron.param_dtype``): 16-bit parameters get fp32 main weights, fp32 gradient buffers and
+    fp32 Adam moments; fp16 adds megatron's dynamic loss scaling.
     """
 
     lr: float = 1e-6
@@ -36,7 +39,6 @@ class OptimConfig:
     lr_decay_style: str = "constant"
     min_lr: float = 0.0
     use_distributed_optimizer: bool = True
-    bf16: bool = False
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -53,12 +55,18 @@ class OptimConfig:
             raise ValueError(f"optim.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
 
 
+def is_half_precision(model_config) -> bool:
+    """Whether a megatron ``TransformerConfig`` holds 16-bit (bf16 / fp16) parameters."""
+    return bool(model_config.bf16 or model_config.fp16)
+
+
 def wrap_for_training(
     model_chunks: Sequence[torch.nn.Module], config: OptimConfig
 ) -> list[torch.nn.Module]:
-    """megatron DDP around each chunk (bf16: inside megatron's Float16Module), with
-    ``finalize_model_grads`` hooked into the model config: the DP gradient reduce(-scatter), the
-    sequence-parallel norm-gradient all-reduce and tied-embedding sync happen there."""
+    """megatron DDP around each chunk (16-bit models inside megatron's Float16Module, which casts
+    the last stage's output to fp32), with ``finalize_model_grads`` hooked into the model config:
+    the DP gradient reduce(-scatter), the sequence-parallel norm-gradient all-reduce and
+    tied-embedding sync happen there. Gradients are accumulated and reduced in fp32."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -72,7 +80,7 @@ def wrap_for_training(
     )
     wrapped = []
     for chunk in model_chunks:
-        module = Float16Module(model_config, chunk) if config.bf16 else chunk
+        module = Float16Module(model_config, chunk) if is_half_precision(model_config) else chunk
         wrapped.append(DistributedDataParallel(model_config, ddp_config, module))
     model_config.finalize_model_grads_func = finalize_model_grads
     return wrapped
@@ -84,13 +92,15 @@ def build_optimizer(
     """megatron-core AdamW over ``ddp_chunks`` and its ``OptimizerParamScheduler``.
 
     ``total_training_steps`` counts optimizer steps (mini-batch updates over the whole run): the
-    decay runs from the end of warm-up to there.
+    decay runs from the end of warm-up to there. The loss scaler (1 unless fp16) is hooked into
+    the model config, where megatron's schedules apply it before each backward pass.
     """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     if total_training_steps < 1:
         raise ValueError(f"total_training_steps must be >= 1, got {total_training_steps}")
+    model_config = ddp_chunks[0].config
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",  # megatron's "adam" is AdamW: decoupled weight decay
@@ -101,12 +111,16 @@ def build_optimizer(
             adam_beta2=config.betas[1],
             adam_eps=config.eps,
             clip_grad=config.max_grad_norm if config.max_grad_norm > 0 else 0.0,
-            bf16=config.bf16,
-            params_dtype=torch.bfloat16 if config.bf16 else torch.float32,
+            bf16=model_config.bf16,
+            fp16=model_config.fp16,
+            params_dtype=model_config.params_dtype,
+            # fp16: dynamic loss scaling (None = dynamic), from 2^16 as Megatron-LM's examples do.
+            initial_loss_scale=2.0**16,
             use_distributed_optimizer=config.use_distributed_optimizer,
         ),
         list(ddp_chunks),
     )
+    model_config.grad_scale_func = optimizer.scale_loss
     warmup = min(config.lr_warmup_steps, total_training_steps)
     scheduler = OptimizerParamScheduler(
         optimizer,

@@ -383,10 +383,17 @@ class TrainableWorker(MegatronWorker):
                 # Step the schedule first, so optimizer step k uses the LR of step k (1-based):
                 # with warm-up from 0 the first step would otherwise not move the weights.
                 self.lr_scheduler.step(increment=1)
-                _, grad_norm, _ = self.optimizer.step()
+                updated, grad_norm, _ = self.optimizer.step()
                 metrics = self.reduce_metrics(results)
                 metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
                 metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+                if self.model_config.fp16:
+                    # An fp16 overflow: megatron skipped the step and lowered the loss scale; the
+                    # LR schedule must not advance for a step that did not happen.
+                    if not updated:
+                        self.lr_scheduler.step(increment=-1)
+                    metrics["skipped_steps"] = float(not updated)
+                    metrics["loss_scale"] = float(self.optimizer.get_loss_scale())
                 for key, value in metrics.items():
                     totals[key] = totals.get(key, 0.0) + value
                 num_steps += 1

@@ -32,6 +32,10 @@ import torch
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
+# What a colocated engine gives back to training, by SGLang's names for them (its memory saver's
+# tags): the served weights and the KV cache.
+WEIGHTS, KV_CACHE = "weights", "kv_cache"
+MEMORY_TAGS: tuple[str, ...] = (WEIGHTS, KV_CACHE)
 
 
 class RolloutError(RuntimeError):
@@ -196,12 +200,17 @@ class RolloutEngine(abc.ABC):
         return WeightUpdateStats(num_tensors, num_buckets, total_bytes, time.perf_counter() - start)
 
     @abc.abstractmethod
-    def release_memory(self) -> None:
-        """Free accelerator memory (weights and KV cache) for training; colocated mode."""
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Free the memory of ``tags`` (``MEMORY_TAGS``) for training; colocated mode.
+
+        Released weights lose their values: resume them, then push weights before generating.
+        """
 
     @abc.abstractmethod
-    def resume_memory(self) -> None:
-        """Take the memory back after ``release_memory``."""
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Take the memory of ``tags`` back after ``release_memory``. The order SGLang needs for a
+        weight sync is: resume weights, push the weights, resume the KV cache (the cache is only
+        allocated once the weights are in place, so the two never peak together)."""
 
     @abc.abstractmethod
     def pause_generation(self, mode: PauseMode = "abort") -> None:
@@ -226,6 +235,13 @@ class RolloutEngine(abc.ABC):
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+
+def check_memory_tags(tags: Sequence[str]) -> tuple[str, ...]:
+    unknown = [tag for tag in tags if tag not in MEMORY_TAGS]
+    if unknown or not tags:
+        raise ValueError(f"memory tags {list(tags)!r}: expected a non-empty subset of {MEMORY_TAGS}")
+    return tuple(tags)
 
 
 def check_pause_mode(mode: str) -> None:

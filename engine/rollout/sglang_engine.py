@@ -26,12 +26,14 @@ from typing import Any, Literal
 import torch
 
 from engine.rollout.base import (
+    MEMORY_TAGS,
     PauseMode,
     RolloutEngine,
     RolloutError,
     RolloutSample,
     SamplingParams,
     WeightUpdateError,
+    check_memory_tags,
     check_pause_mode,
     validate_prompts,
 )
@@ -370,13 +372,15 @@ class SGLangRolloutEngine(RolloutEngine):
 
     # ----------------------------------------------------------------------------- lifecycle
 
-    def release_memory(self) -> None:
-        if memory_occupation_control_supported():
-            self._on_all_servers("/release_memory_occupation", {})
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        tags = check_memory_tags(tags)
+        if memory_occupation_control_supported():  # a no-op on CPU (see engine.rollout.sglang_cpu)
+            self._on_all_servers("/release_memory_occupation", {"tags": list(tags)})
 
-    def resume_memory(self) -> None:
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        tags = check_memory_tags(tags)
         if memory_occupation_control_supported():
-            self._on_all_servers("/resume_memory_occupation", {})
+            self._on_all_servers("/resume_memory_occupation", {"tags": list(tags)})
 
     def pause_generation(self, mode: PauseMode = "abort") -> None:
         check_pause_mode(mode)

@@ -14,12 +14,15 @@ import torch
 import transformers
 
 from engine.rollout.base import (
+    MEMORY_TAGS,
+    WEIGHTS,
     PauseMode,
     RolloutEngine,
     RolloutError,
     RolloutSample,
     SamplingParams,
     WeightUpdateError,
+    check_memory_tags,
     check_pause_mode,
     validate_prompts,
 )
@@ -137,7 +140,8 @@ class TorchRolloutEngine(RolloutEngine):
         self._not_paused.set()
         self._abort_epoch = 0
         self._in_weight_update = False
-        self._memory_released = False
+        self._released: set[str] = set()  # memory tags given back by release_memory
+        self._released_shapes: dict[str, torch.Size] = {}
 
     # ----------------------------------------------------------------------------- generation
 
@@ -148,8 +152,9 @@ class TorchRolloutEngine(RolloutEngine):
         prompts = validate_prompts(prompt_token_ids, self.vocab_size)
         if self._in_weight_update:
             raise RolloutError("generate() called inside a weight-update session; call end_weight_update() first")
-        if self._memory_released:
-            raise RolloutError("generate() called after release_memory(); call resume_memory() first")
+        if self._released:
+            raise RolloutError(f"generate() called while {sorted(self._released)} are released; "
+                               "call resume_memory() (and push the weights) first")
         self._not_paused.wait()
         epoch = self._abort_epoch
         rows = [prompt for prompt in prompts for _ in range(sampling_params.n)]
@@ -222,6 +227,8 @@ class TorchRolloutEngine(RolloutEngine):
     def push_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         if not self._in_weight_update:
             raise WeightUpdateError("push_weights() outside a session; call begin_weight_update() first")
+        if WEIGHTS in self._released:
+            raise WeightUpdateError("push_weights() while the weights are released; call resume_memory(['weights']) first")
         for name, tensor in named_tensors:
             target = self._named_state.get(name)
             if target is None:
@@ -239,18 +246,37 @@ class TorchRolloutEngine(RolloutEngine):
 
     # ----------------------------------------------------------------------------- lifecycle
 
-    def release_memory(self) -> None:
-        # The weights are this engine's only state (the KV cache lives inside one generate call):
-        # on a GPU they go to host memory; on CPU there is nothing to give back.
-        if self.device.type == "cuda":
-            self.model.to("cpu")
-            torch.cuda.empty_cache()
-        self._memory_released = True
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Free the weights' storage for real (their values are dropped: a weight push follows
+        ``resume_memory``, as with SGLang's memory saver) and the device's cached blocks.
 
-    def resume_memory(self) -> None:
+        The KV cache lives only inside one ``generate`` call, so releasing it gives the allocator's
+        cache back to the device (nothing to do on CPU).
+        """
+        tags = check_memory_tags(tags)
+        if WEIGHTS in tags and WEIGHTS not in self._released:
+            # Parameters keep their identity (``_named_state`` and tied aliases point at them);
+            # only their storage goes. Buffers (rotary frequencies) are tiny and stay.
+            self._released_shapes = {name: param.shape for name, param in self.model.named_parameters()}
+            for param in self.model.parameters():
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self._released.update(tags)
         if self.device.type == "cuda":
-            self.model.to(self.device)
-        self._memory_released = False
+            torch.cuda.empty_cache()
+
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Allocate the weights again (zero-filled, so the memory is really taken now, as a GPU
+        allocation is); their values arrive with the next weight push."""
+        tags = check_memory_tags(tags)
+        if WEIGHTS in tags and WEIGHTS in self._released:
+            for name, param in self.model.named_parameters():
+                param.data = torch.zeros(self._released_shapes[name], dtype=param.dtype, device=param.device)
+            self._released_shapes = {}
+        self._released.difference_update(tags)
+
+    def resident_weight_bytes(self) -> int:
+        """Bytes of weight storage this engine holds now (0 while the weights are released)."""
+        return sum(param.untyped_storage().nbytes() for param in self.model.parameters())
 
     def pause_generation(self, mode: PauseMode = "abort") -> None:
         # "retract" and "in_place" both keep the KV cache here: in-flight rows wait and continue.

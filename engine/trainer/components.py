@@ -67,7 +67,7 @@ def optim_config(section, megatron, total_optimizer_steps: int) -> OptimConfig:
         lr=section.lr, betas=tuple(section.betas), eps=section.eps, weight_decay=section.weight_decay,
         max_grad_norm=section.max_grad_norm, lr_warmup_steps=_warmup_steps(section, total_optimizer_steps),
         lr_decay_style=section.lr_decay_style, min_lr=section.min_lr,
-        use_distributed_optimizer=megatron.use_distributed_optimizer, bf16=megatron.param_dtype == "bfloat16",
+        use_distributed_optimizer=megatron.use_distributed_optimizer,
     )
 
 
@@ -78,14 +78,20 @@ def _warmup_steps(section, total_optimizer_steps: int) -> int:
     return int(section.lr_warmup_steps_ratio * total_optimizer_steps)
 
 
-def _build_trainable(cfg_section, model_path: str, layout, value_head: bool):
+def _build_model(model, megatron, layout, value_head: bool, trained: bool = True):
+    """This rank's chunks of ``model.path`` in ``megatron.param_dtype``, HF weights loaded.
+
+    ``model.enable_gradient_checkpointing`` recomputes activations in the backward pass, so it
+    applies to trained models only."""
     from engine.models.checkpoint import load_hf_weights
-    from engine.models.gpt import build_model_chunks
+    from engine.models.gpt import build_model_chunks, recompute_settings
 
     # initialize_weights=True marks TP-split weights for megatron's grad-norm; the HF load then
     # overwrites every value (value head excepted on a fresh critic).
-    chunks = build_model_chunks(model_path, layout, value_head=value_head, initialize_weights=True)
-    load_hf_weights(chunks, model_path)
+    chunks = build_model_chunks(model.path, layout, value_head=value_head, initialize_weights=True,
+                                params_dtype=getattr(torch, megatron.param_dtype),
+                                **recompute_settings(trained and model.enable_gradient_checkpointing))
+    load_hf_weights(chunks, model.path)
     return chunks
 
 
@@ -137,13 +143,14 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
     )
     actor_optim = optim_config(arr.actor.optim, arr.actor.megatron, optimizer_steps)
     remove_padding = arr.model.use_remove_padding
-    actor = MegatronActor(_build_trainable(arr.actor, model_path, layout, False), actor_config, actor_optim,
+    actor = MegatronActor(_build_model(arr.model, arr.actor.megatron, layout, False), actor_config, actor_optim,
                           optimizer_steps, use_remove_padding=remove_padding)
 
     needs_reference = cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss
     reference = None
     if needs_reference:
-        reference = ReferencePolicy(_build_trainable(arr.actor, model_path, layout, False), actor_config,
+        reference = ReferencePolicy(_build_model(arr.model, arr.actor.megatron, layout, False, trained=False),
+                                    actor_config,
                                     use_remove_padding=remove_padding)
 
     critic = None
@@ -162,7 +169,7 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
         critic_optim = optim_config(section.optim, section.megatron, critic_steps)
         if section.megatron.layout() != layout:
             raise NotImplementedError("critic.megatron must equal the actor's layout for now (one mesh)")
-        critic = MegatronCritic(_build_trainable(section, section.model.path, layout, True), critic_config,
+        critic = MegatronCritic(_build_model(section.model, section.megatron, layout, True), critic_config,
                                 critic_optim, critic_steps, use_remove_padding=remove_padding)
 
     weight_sync = WeightSynchronizer(actor.model_chunks, layout, WeightSyncConfig(

@@ -21,12 +21,12 @@ from engine.config import ExperimentConfig
 from engine.rewards.manager import RewardResult, decode_responses, token_level_scores
 from engine.rewards.spmd import score_on_all_ranks
 from engine.roles import RolloutBatch
-from engine.rollout.base import SamplingParams
+from engine.rollout.base import KV_CACHE, MEMORY_TAGS, WEIGHTS, SamplingParams
 from engine.sync import check_rollout_log_probs
 from engine.trainer.checkpoint import export_hf_model
 from engine.trainer.components import PPOComponents, build_components
 from engine.trainer.run_dir import RunDirectory, attach_rank_log_file
-from engine.trainer.tracking import Tracker, memory_metrics, timer
+from engine.trainer.tracking import Tracker, phase, step_peak_memory
 from parallel.hybrid_engine import gather_generation_results, split_for_generation
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
         run.write_config(cfg)
         print(f"[trident] run directory: {run.summary()}", flush=True)
     parts = build_components(cfg, run)
-    step = _resume(cfg, parts)
+    step = _resume_from_checkpoint(cfg, parts)
     parts.weight_sync.sync(parts.engine)  # the engine serves exactly the (possibly resumed) actor
     tracker = Tracker(cfg.trainer.logger, tensorboard_dir=run.tensorboard_dir, metrics_file=run.metrics_file,
                       total_steps=parts.total_training_steps, start_step=step)
@@ -76,30 +76,35 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
 
 
 def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: int) -> dict[str, float]:
-    """One PPO iteration on this rank's share of the global prompt batch."""
-    timings: dict[str, float] = {}
+    """One PPO iteration on this rank's share of the global prompt batch.
+
+    Memory choreography (colocated rollout): the engine holds its weights and KV cache only to
+    generate; it releases both before the training phases and takes them back for the weight
+    sync in SGLang's order (weights, push, KV cache), so rollout and training never peak together.
+    """
+    metrics: dict[str, float] = {}
     start = time.perf_counter()
     algo = cfg.algorithm
-    with timer("gen", timings):
+    with phase("gen", metrics):
         batch, meta, rollout_log_probs = generate(cfg, parts, prompts.repeat_interleave(cfg.actor_rollout_ref.rollout.n))
-    with timer("old_log_prob", timings):
+        _release_engine_memory(parts, MEMORY_TAGS)
+    with phase("old_log_prob", metrics):
         batch.old_log_probs = parts.actor.compute_old_log_probs(batch)["log_probs"]
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.check_weight_sync and rollout.name != "torch":  # the embedded engine was checked by fingerprints
         check_rollout_log_probs(rollout_log_probs, batch.old_log_probs, batch.response_mask,
                                 rollout.check_weight_sync_tolerance)
     if parts.reference is not None:
-        with timer("ref", timings):
+        with phase("ref", metrics):
             batch.ref_log_probs = parts.reference.compute_ref_log_probs(batch)
     if parts.critic is not None:
-        with timer("values", timings):
+        with phase("values", metrics):
             batch.values = parts.critic.compute_values(batch)
-    with timer("reward", timings):
+    with phase("reward", metrics):
         scored = _score(parts, batch, meta)
         scores = torch.as_tensor(scored.scores, dtype=torch.float32)
         rewards = token_level_scores(scores, batch.response_mask)
-    with timer("adv", timings):
-        metrics: dict[str, float] = {}
+    with phase("adv", metrics):
         if algo.use_kl_in_reward:
             rewards, current_kl = apply_kl_penalty(rewards, batch.old_log_probs, batch.ref_log_probs,
                                                    batch.response_mask, parts.kl_controller.value, algo.kl_penalty)
@@ -111,22 +116,33 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
             algo.advantage_config())
         batch = replace(batch, advantages=advantage.advantages, returns=advantage.returns)
     if parts.critic is not None:
-        with timer("update_critic", timings):
+        with phase("update_critic", metrics):
             metrics.update(parts.critic.update_critic(batch))
     if step > cfg.critic.warmup_steps or parts.critic is None:
-        with timer("update_actor", timings):
+        with phase("update_actor", metrics):
             metrics.update(parts.actor.update_policy(batch))
-        with timer("update_weights", timings):
-            parts.weight_sync.sync(parts.engine)
-    timings["timing_s/step"] = time.perf_counter() - start  # timer() names its entries timing_s/<stage>
+    with phase("update_weights", metrics):  # every step: released weights must be pushed again
+        _resume_engine_memory(parts, (WEIGHTS,))
+        parts.weight_sync.sync(parts.engine)
+        _resume_engine_memory(parts, (KV_CACHE,))
+    metrics["timing_s/step"] = time.perf_counter() - start  # phase() names its entries timing_s/<phase>
     metrics.update(_batch_metrics(batch, scores, rollout_log_probs, scored.metrics))
-    metrics.update(timings)
     tokens = int(batch.attention_mask.sum())
     metrics["perf/total_num_tokens"] = tokens
     # HybridFlow's throughput: prompt + response tokens of the global batch / iteration time, per device.
-    metrics["perf/throughput"] = tokens / timings["timing_s/step"] / dist.get_world_size()
-    metrics.update(memory_metrics())
+    metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / dist.get_world_size()
+    metrics.update(step_peak_memory(metrics))
     return metrics
+
+
+def _release_engine_memory(parts: PPOComponents, tags) -> None:
+    if parts.engine is not None:  # the engine lives on generation-replica leaders only
+        parts.engine.release_memory(tags)
+
+
+def _resume_engine_memory(parts: PPOComponents, tags) -> None:
+    if parts.engine is not None:
+        parts.engine.resume_memory(tags)
 
 
 def generate(cfg: ExperimentConfig, parts: PPOComponents, prompts):
@@ -237,7 +253,7 @@ def _trained_roles(parts: PPOComponents) -> dict:
     return {"actor": parts.actor, **({"critic": parts.critic} if parts.critic is not None else {})}
 
 
-def _resume(cfg: ExperimentConfig, parts: PPOComponents) -> int:
+def _resume_from_checkpoint(cfg: ExperimentConfig, parts: PPOComponents) -> int:
     path = parts.checkpoints.resolve_resume(cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
     if path is None:
         return 0

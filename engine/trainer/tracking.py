@@ -92,16 +92,59 @@ def format_console_line(step_description: str, metrics: Mapping[str, float],
     return " | ".join(parts)
 
 
-@contextlib.contextmanager
-def timer(name: str, timings: dict[str, float], *, synchronize: bool = True) -> Iterator[None]:
-    """Add the wall time of the block to ``timings[f"timing_s/{name}"]`` (accumulates over calls).
+GIB = 1024**3
 
-    With ``synchronize`` the CUDA device is synchronised on entry and exit, so queued GPU work is
-    charged to the block that launched it.
+
+def reset_peak_memory() -> None:
+    """Start a new peak-memory window: the CUDA allocator's peak and the process's peak RSS.
+
+    The peak RSS (``VmHWM``) is reset by writing 5 to ``/proc/self/clear_refs`` (Linux >= 4.0);
+    where that is not allowed the window silently stays process-wide.
+    """
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:
+        pass
+
+
+def peak_memory_gb() -> dict[str, float]:
+    """Peak memory since the last ``reset_peak_memory``: ``max_memory_allocated_gb`` (CUDA only)
+    and ``max_rss_gb`` (host memory of this process, also the CPU path's device memory)."""
+    peaks: dict[str, float] = {}
+    if torch.cuda.is_available():
+        peaks["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / GIB
+    peaks["max_rss_gb"] = _peak_rss_bytes() / GIB
+    return peaks
+
+
+def _peak_rss_bytes() -> int:
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+@contextlib.contextmanager
+def phase(name: str, metrics: dict[str, float], *, synchronize: bool = True) -> Iterator[None]:
+    """Time one phase of the PPO step and record its peak memory into ``metrics``.
+
+    Adds the wall time to ``timing_s/<name>`` (accumulating over calls) and keeps the largest peak
+    seen in the phase as ``perf/max_memory_allocated_gb/<name>`` (GPU) and ``perf/max_rss_gb/<name>``
+    (host), so the planner's per-phase estimates can be compared with a run. With ``synchronize``
+    the CUDA device is synchronised on entry and exit, so queued GPU work is charged to the phase
+    that launched it.
     """
     sync = synchronize and torch.cuda.is_available()
     if sync:
         torch.cuda.synchronize()
+    reset_peak_memory()
     started = time.perf_counter()
     try:
         yield
@@ -109,18 +152,20 @@ def timer(name: str, timings: dict[str, float], *, synchronize: bool = True) -> 
         if sync:
             torch.cuda.synchronize()
         key = f"timing_s/{name}"
-        timings[key] = timings.get(key, 0.0) + time.perf_counter() - started
+        metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - started
+        for kind, value in peak_memory_gb().items():
+            key = f"perf/{kind}/{name}"
+            metrics[key] = max(metrics.get(key, 0.0), value)
 
 
-def memory_metrics() -> dict[str, float]:
-    """Peak memory of this rank: ``perf/max_memory_allocated_gb`` (CUDA only) and host RSS."""
-    metrics: dict[str, float] = {}
-    if torch.cuda.is_available():
-        metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 1024**3
-        metrics["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 1024**3
-    # ru_maxrss is in KiB on Linux.
-    metrics["perf/cpu_max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
-    return metrics
+def step_peak_memory(metrics: dict[str, float]) -> dict[str, float]:
+    """The step's peaks over its phases (``perf/max_memory_allocated_gb``, ``perf/max_rss_gb``)."""
+    peaks: dict[str, float] = {}
+    for key, value in metrics.items():
+        kind = key.split("/")[1] if key.startswith("perf/max_") and key.count("/") == 2 else None
+        if kind is not None:
+            peaks[f"perf/{kind}"] = max(peaks.get(f"perf/{kind}", 0.0), value)
+    return peaks
 
 
 class Tracker:

@@ -52,7 +52,7 @@ def measure(case) -> dict:
     bf16 = dtype == "bfloat16"
     chunks = build_model_chunks(hf_config(model_type, tie), layout, value_head=value_head,
                                 params_dtype=torch.bfloat16 if bf16 else torch.float32)
-    optim_config = OptimConfig(lr=1e-3, use_distributed_optimizer=distopt, bf16=bf16)
+    optim_config = OptimConfig(lr=1e-3, use_distributed_optimizer=distopt)
     ddp_chunks = wrap_for_training(chunks, optim_config)
     optimizer, _ = build_optimizer(ddp_chunks, optim_config, total_training_steps=1)
     for chunk in ddp_chunks:
