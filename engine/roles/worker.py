@@ -342,7 +342,8 @@ class TrainableWorker(MegatronWorker):
         ``loss_fn(output, inputs, micro_batch, scale) -> LossOutput`` gives the micro-batch's share
         of the mini-batch loss under the global normaliser ``scale`` (``engine.algo.losses``).
         Returns the metrics averaged over optimizer steps, plus ``grad_norm`` (before clipping)
-        and ``lr``, prefixed with ``metric_prefix``.
+        and ``lr``, prefixed with ``metric_prefix``; with fp16 also ``loss_scale`` and
+        ``skipped_step_fraction`` (steps dropped for an overflow, whose grad norm is not averaged).
         """
         from engine.algo.losses import LossScale, count_tokens_and_sequences
 
@@ -355,7 +356,7 @@ class TrainableWorker(MegatronWorker):
         self.num_update_calls += 1
         max_response_length = schedule.max_response_length or batch.response_length
         totals: dict[str, float] = {}
-        num_steps = 0
+        averaged_over: dict[str, int] = {}  # optimizer steps that reported each metric
         for _ in range(schedule.ppo_epochs):
             order = torch.randperm(len(batch), generator=generator) if schedule.shuffle else torch.arange(len(batch))
             for start in range(0, len(batch), schedule.ppo_mini_batch_size):
@@ -385,19 +386,20 @@ class TrainableWorker(MegatronWorker):
                 self.lr_scheduler.step(increment=1)
                 updated, grad_norm, _ = self.optimizer.step()
                 metrics = self.reduce_metrics(results)
-                metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+                if grad_norm is not None:  # None: a skipped fp16 step, which has no norm to average
+                    metrics["grad_norm"] = float(grad_norm)
                 metrics["lr"] = self.optimizer.param_groups[0]["lr"]
                 if self.model_config.fp16:
                     # An fp16 overflow: megatron skipped the step and lowered the loss scale; the
                     # LR schedule must not advance for a step that did not happen.
                     if not updated:
                         self.lr_scheduler.step(increment=-1)
-                    metrics["skipped_steps"] = float(not updated)
+                    metrics["skipped_step_fraction"] = float(not updated)
                     metrics["loss_scale"] = float(self.optimizer.get_loss_scale())
                 for key, value in metrics.items():
                     totals[key] = totals.get(key, 0.0) + value
-                num_steps += 1
-        return {f"{metric_prefix}/{key}": value / num_steps for key, value in totals.items()}
+                    averaged_over[key] = averaged_over.get(key, 0) + 1
+        return {f"{metric_prefix}/{key}": value / averaged_over[key] for key, value in totals.items()}
 
 
 def _check_tensor_parallel_attributes(model_chunks) -> None:
