@@ -45,7 +45,7 @@ def validate(config: ExperimentConfig, world_size: int | None = None) -> None:
     _check_model_shape("actor_rollout_ref.model.path", config.actor_rollout_ref.model.path,
                        f"{ACTOR}.megatron", actor_megatron,
                        rollout_tensor_parallel_size=config.actor_rollout_ref.rollout.tensor_model_parallel_size)
-    _check_rollout(config)
+    _check_rollout(config, training_world)
     _check_actor_batches(config, actor_dp)
     if config.algorithm.uses_critic:
         critic_dp = _data_parallel_size("critic.megatron", config.critic.megatron, training_world, training_text)
@@ -304,7 +304,7 @@ def _check_model_shape(path_key: str, model_path: str, megatron_key: str, megatr
         )
 
 
-def _check_rollout(config: ExperimentConfig) -> None:
+def _check_rollout(config: ExperimentConfig, training_world: int) -> None:
     rollout = config.actor_rollout_ref.rollout
     megatron = config.actor_rollout_ref.actor.megatron
     rollout_tp = rollout.tensor_model_parallel_size
@@ -328,6 +328,23 @@ def _check_rollout(config: ExperimentConfig) -> None:
             f"into (tp * pp) / rollout_tp engine replicas. Use a generation TP among {_divisors(tp * pp)}, or "
             f"raise {ACTOR}.megatron.tensor_model_parallel_size."
         )
+    _check_replica_placement(config, training_world)
+
+
+def _check_replica_placement(config: ExperimentConfig, training_world: int) -> None:
+    """Each colocated SGLang replica must fit on one node (its GPUs are those of its ranks)."""
+    from parallel.hybrid_engine import GenerationLayout, HybridLayout, TrainingLayout
+    from parallel.layout import LayoutError
+
+    per_node = config.trainer.n_gpus_per_node
+    if config.actor_rollout_ref.rollout.name != "sglang" or training_world % per_node:
+        return  # the embedded engine has no TP; a world that is not whole nodes is a local test
+    try:
+        training = TrainingLayout.from_parallel_layout(config.actor_rollout_ref.actor.megatron.layout(), training_world)
+        layout = HybridLayout(training, GenerationLayout(config.actor_rollout_ref.rollout.tensor_model_parallel_size))
+        layout.replica_placements(per_node)
+    except LayoutError as error:
+        raise ConfigError(f"{ROLLOUT}.tensor_model_parallel_size with trainer.n_gpus_per_node={per_node}: {error}.") from None
 
 
 # ----------------------------------------------------------------------------- batch sizes

@@ -54,8 +54,10 @@ class SGLangRolloutConfig:
     model_path: str
     # Server logs go here: sglang_replica{i}.log
     run_dir: str
-    num_replicas: int = 1
     tensor_model_parallel_size: int = 1
+    # One server per entry: the node-local GPU ids of its TP ranks, in TP order (see
+    # HybridLayout.replica_placements); () = SGLang's default devices (GPUs 0.., or the CPU).
+    replica_gpus: tuple[tuple[int, ...], ...] = ((),)
     # Maps to --mem-fraction-static.
     gpu_memory_utilization: float = 0.6
     dtype: str = "auto"
@@ -75,10 +77,18 @@ class SGLangRolloutConfig:
     extra_server_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.num_replicas < 1:
-            raise ValueError(f"SGLangRolloutConfig.num_replicas={self.num_replicas} must be >= 1")
         if self.tensor_model_parallel_size < 1:
             raise ValueError(f"SGLangRolloutConfig.tensor_model_parallel_size={self.tensor_model_parallel_size} must be >= 1")
+        self.replica_gpus = tuple(tuple(gpus) for gpus in self.replica_gpus)
+        if not self.replica_gpus:
+            raise ValueError("SGLangRolloutConfig.replica_gpus must name at least one replica")
+        for gpus in self.replica_gpus:
+            if gpus and len(gpus) != self.tensor_model_parallel_size:
+                raise ValueError(f"SGLangRolloutConfig.replica_gpus entry {gpus} must hold "
+                                 f"tensor_model_parallel_size={self.tensor_model_parallel_size} GPUs")
+        used = [gpu for gpus in self.replica_gpus for gpu in gpus]
+        if len(used) != len(set(used)):
+            raise ValueError(f"SGLangRolloutConfig.replica_gpus={self.replica_gpus} gives a GPU to two servers")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"SGLangRolloutConfig.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.weight_transport not in ("tensor", "distributed"):
@@ -130,7 +140,7 @@ def _parse_sample(item: dict[str, Any]) -> RolloutSample:
 
 
 class SGLangRolloutEngine(RolloutEngine):
-    """Rollout on ``num_replicas`` SGLang servers started and supervised by this object."""
+    """Rollout on SGLang servers (one per ``replica_gpus`` entry) started and supervised by this object."""
 
     def __init__(self, config: SGLangRolloutConfig):
         self.config = config
@@ -147,7 +157,7 @@ class SGLangRolloutEngine(RolloutEngine):
                     tensor_model_parallel_size=config.tensor_model_parallel_size,
                     gpu_memory_utilization=config.gpu_memory_utilization,
                     dtype=config.dtype,
-                    base_gpu_id=i * config.tensor_model_parallel_size if torch.cuda.is_available() else 0,
+                    gpu_ids=gpus,
                     context_length=config.context_length,
                     max_total_tokens=config.max_total_tokens,
                     enable_memory_saver=config.colocated,
@@ -156,12 +166,12 @@ class SGLangRolloutEngine(RolloutEngine):
                     startup_timeout_s=config.startup_timeout_s,
                 )
             )
-            for i in range(config.num_replicas)
+            for i, gpus in enumerate(config.replica_gpus)
         ]
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=config.max_concurrent_requests, thread_name_prefix="sglang-generate")
         # Control requests (pause, weights, health) get their own threads: a pause must not queue
         # behind the generate requests it is meant to abort.
-        self._control_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * config.num_replicas, thread_name_prefix="sglang-control")
+        self._control_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * len(config.replica_gpus), thread_name_prefix="sglang-control")
         self._weight_update_group: Any = None
         self._weight_update_group_name = ""
         self._in_weight_update = False
@@ -268,6 +278,13 @@ class SGLangRolloutEngine(RolloutEngine):
             # CPU tensors travel as shared-memory files; the default fd-passing strategy makes the
             # receiving scheduler fail its authentication handshake.
             torch.multiprocessing.set_sharing_strategy("file_system")
+        else:
+            # CUDA IPC handles name the device by index, and the server sees other indices (its
+            # CUDA_VISIBLE_DEVICES holds only its replica's GPUs): SGLang's patch sends the device's
+            # UUID instead; its scheduler applies the same patch on the receiving side.
+            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+            monkey_patch_torch_reductions()
         payload = {"flattened_tensor": flat, "metadata": bucket.get_metadata()}
         tp = self.config.tensor_model_parallel_size
         # One serialization per TP rank: each rank must open its own handle (CUDA IPC refcounts).

@@ -17,7 +17,7 @@ import time
 import weakref
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import requests
 
@@ -45,7 +45,9 @@ class SGLangServerConfig:
     # --mem-fraction-static: share of accelerator memory for weights + KV cache.
     gpu_memory_utilization: float = 0.6
     dtype: str = "auto"
-    base_gpu_id: int = 0
+    # Node-local GPU indices (the launching process's CUDA numbering) of the server's TP ranks, in
+    # TP order; empty = SGLang's default (GPUs 0..tp-1). The server sees only these GPUs.
+    gpu_ids: tuple[int, ...] = ()
     context_length: int | None = None
     max_total_tokens: int | None = None
     # --enable-memory-saver: lets release/resume_memory_occupation free GPU memory (colocated mode).
@@ -68,6 +70,21 @@ def live_processes_in_group(process_group: int) -> list[int]:
         if int(pgrp) == process_group and state != "Z":
             pids.append(int(stat_file.parent.name))
     return pids
+
+
+def visible_devices(gpu_ids: Sequence[int], parent_visible: str | None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a child that must see the parent's GPUs ``gpu_ids`` (in order).
+
+    The parent's own ``CUDA_VISIBLE_DEVICES`` (a Slurm or container binding) renumbers its GPUs, so
+    the ids are mapped through it; ids, UUIDs and MIG names all pass through unchanged.
+    """
+    if not parent_visible:
+        return ",".join(str(gpu) for gpu in gpu_ids)
+    parent = [entry.strip() for entry in parent_visible.split(",") if entry.strip()]
+    missing = [gpu for gpu in gpu_ids if not 0 <= gpu < len(parent)]
+    if missing:
+        raise RolloutError(f"GPUs {missing} are not among this process's CUDA_VISIBLE_DEVICES={parent_visible!r}")
+    return ",".join(parent[gpu] for gpu in gpu_ids)
 
 
 _LIVE_SERVERS: "weakref.WeakSet[SGLangServer]" = weakref.WeakSet()
@@ -105,8 +122,6 @@ class SGLangServer:
             # The trainer sends token ids and reads token ids back.
             "--skip-tokenizer-init",
         ]
-        if cfg.base_gpu_id:
-            args += ["--base-gpu-id", str(cfg.base_gpu_id)]
         if cfg.context_length is not None:
             args += ["--context-length", str(cfg.context_length)]
         if cfg.max_total_tokens is not None:
@@ -116,8 +131,11 @@ class SGLangServer:
         env = dict(os.environ)
         if needs_cpu_adaptation():
             args, env = adapt_server_for_cpu(args, env, cfg.tensor_model_parallel_size)
-        elif cfg.enable_memory_saver:
-            args.append("--enable-memory-saver")
+        else:
+            if cfg.enable_memory_saver:
+                args.append("--enable-memory-saver")
+            if cfg.gpu_ids:
+                env["CUDA_VISIBLE_DEVICES"] = visible_devices(cfg.gpu_ids, env.get("CUDA_VISIBLE_DEVICES"))
         args += list(cfg.extra_args)
         return args, env
 

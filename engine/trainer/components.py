@@ -32,6 +32,8 @@ from engine.rollout.base import RolloutEngine
 from engine.sync import WeightSyncConfig, WeightSynchronizer
 from engine.trainer.checkpoint import CheckpointManager, CheckpointTarget
 from engine.trainer.run_dir import RunDirectory
+from parallel.hybrid_engine import HybridLayout
+from parallel.state import ranks_per_node
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +179,7 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
         update_weights_bucket_megabytes=arr.rollout.update_weights_bucket_megabytes,
         check_weight_sync=arr.rollout.check_weight_sync, dtype=arr.rollout.dtype,
     ))
-    engine = _build_engine(cfg, run) if weight_sync.is_replica_leader else None
+    engine = _build_engine(cfg, run, weight_sync.layout) if weight_sync.is_replica_leader else None
     dist.barrier()
 
     return PPOComponents(
@@ -189,16 +191,22 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
     )
 
 
-def _build_engine(cfg: ExperimentConfig, run: RunDirectory) -> RolloutEngine:
+def _build_engine(cfg: ExperimentConfig, run: RunDirectory, layout: HybridLayout) -> RolloutEngine:
+    """This generation replica's engine, on its leader rank; an SGLang server gets exactly the GPUs
+    of the replica's ranks (``HybridLayout.replica_placements``)."""
     from engine.rollout.factory import create_rollout_engine
 
     rollout = cfg.actor_rollout_ref.rollout
     model_path = str(Path(cfg.actor_rollout_ref.model.path))
     if rollout.name == "torch":
         return create_rollout_engine("torch", model_path=model_path, dtype=rollout.dtype)
+    gpus: tuple[int, ...] = ()
+    if torch.cuda.is_available():
+        replica = layout.generation_coordinates(dist.get_rank()).replica
+        gpus = layout.replica_placements(ranks_per_node())[replica].local_devices
     return create_rollout_engine(
         "sglang", model_path=model_path, run_dir=str(run.rollout_dir),
-        tensor_model_parallel_size=rollout.tensor_model_parallel_size,
+        tensor_model_parallel_size=rollout.tensor_model_parallel_size, replica_gpus=(gpus,),
         gpu_memory_utilization=rollout.gpu_memory_utilization, dtype=rollout.dtype,
         colocated=rollout.mode == "colocated", random_seed=cfg.trainer.seed + dist.get_rank(),
     )

@@ -27,6 +27,7 @@ from parallel.hybrid_engine.layouts import (
     GenerationLayout,
     HybridEngineGroups,
     HybridLayout,
+    ReplicaPlacement,
     TrainingCoordinates,
     TrainingLayout,
     build_groups,
@@ -36,7 +37,7 @@ from parallel.hybrid_engine.spec import FusedKind, HFTensorLayout, ParameterSpec
 
 __all__ = [
     "FusedKind", "GenerationCoordinates", "GenerationLayout", "HFTensorLayout", "HybridEngineGroups",
-    "HybridLayout", "ParameterSpec", "ReshardExecutor", "ReshardPlan", "ReshardStats", "ReshardTarget",
+    "HybridLayout", "ParameterSpec", "ReplicaPlacement", "ReshardExecutor", "ReshardPlan", "ReshardStats", "ReshardTarget",
     "TensorSteps", "TrainingCoordinates", "TrainingLayout", "WeightShard", "WeightSyncError", "build_groups",
     "check_fingerprints", "compare_fingerprints", "fingerprints_of", "gather_generation_results",
     "gather_generation_tensors", "hf_chunks_of_shard", "replica_slice", "split_for_generation",

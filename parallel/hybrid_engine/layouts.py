@@ -57,6 +57,22 @@ class GenerationCoordinates:
 
 
 @dataclass(frozen=True)
+class ReplicaPlacement:
+    """The GPUs one generation replica (one SGLang server) runs on.
+
+    Attributes:
+        replica: the replica's index (``GenerationCoordinates.replica``).
+        node: the node all its ranks are on (rank // ranks_per_node, torchrun's numbering).
+        local_devices: the node-local GPU index of each of its ranks, in generation TP order: the
+            GPUs those ranks train on, so each GPU holds the engine's shard beside its own.
+    """
+
+    replica: int
+    node: int
+    local_devices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class TrainingLayout:
     """Megatron's training layout with an explicit data-parallel size."""
 
@@ -213,6 +229,27 @@ class HybridLayout:
         for rank, g in enumerate(self._generation_coordinates):
             groups[g.replica][g.tensor] = rank
         return groups
+
+    def replica_placements(self, ranks_per_node: int) -> list[ReplicaPlacement]:
+        """Where every generation replica runs when each node holds ``ranks_per_node`` consecutive
+        ranks, one GPU each (``LOCAL_RANK`` = GPU index). A replica's GPUs are exactly those of its
+        ranks, which follow the strided generation groups (consecutive only when tg = T), so no two
+        replicas share a GPU. A replica whose ranks sit on different nodes cannot be one server.
+        """
+        if ranks_per_node < 1 or self.world_size % ranks_per_node:
+            raise LayoutError(f"{ranks_per_node} ranks per node do not divide the world of {self.world_size} ranks")
+        placements = []
+        for replica, ranks in enumerate(self.generation_tensor_groups()):
+            nodes = sorted({rank // ranks_per_node for rank in ranks})
+            if len(nodes) > 1:
+                raise LayoutError(
+                    f"generation replica {replica} of {self.describe()} would span nodes {nodes} (ranks {ranks}, "
+                    f"{ranks_per_node} per node): an SGLang server runs on one node. Use a generation TP size "
+                    f"that keeps a replica inside a node (tg <= tensor_model_parallel_size, or a pipeline "
+                    f"layout whose combined stages share a node)"
+                )
+            placements.append(ReplicaPlacement(replica, nodes[0], tuple(rank % ranks_per_node for rank in ranks)))
+        return placements
 
     def micro_data_parallel_groups(self) -> list[list[int]]:
         """One list per training data-parallel rank: all its ranks (every pp, tp, cp), in rank order.
