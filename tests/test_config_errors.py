@@ -235,6 +235,21 @@ def test_critic_batches_checked_with_critic_data_parallel_size():
     assert message.startswith("critic.ppo_mini_batch_size * actor_rollout_ref.rollout.n = 16 * 1 = 16")
 
 
+def test_interleaved_pipeline_needs_a_multiple_of_pp_micro_batches():
+    vpp = ["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+           "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2",
+           "critic.megatron.pipeline_model_parallel_size=2", "critic.megatron.virtual_pipeline_model_parallel_size=2"]
+    # 1 rank (dp 1): 16 sequences per mini-batch in micro-batches of 16 is one micro-batch, not a multiple of 2.
+    message = error_of(DEMO, [*PINNED, *vpp, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"], world_size=2)
+    assert message.startswith("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 over a mini-batch of 16")
+    assert "makes 1 micro-batches per rank" in message and "pipeline_model_parallel_size=2" in message
+    # The log-prob pass: 64 rows in micro-batches of 40 -> 2 micro-batches; of 64 -> 1.
+    message = error_of(DEMO, [*PINNED, *vpp, "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64"],
+                       world_size=2)
+    assert message.startswith("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64 over 64 sequences")
+    load_config(DEMO, [*PINNED, *vpp, "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40"], world_size=2)
+
+
 def test_micro_batch_required_without_dynamic_batching(tmp_path):
     message = error_of(DEMO, ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null"])
     assert "ppo_micro_batch_size_per_gpu is not set" in message and "use_dynamic_bsz=true" in message

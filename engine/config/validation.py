@@ -350,6 +350,18 @@ def _check_replica_placement(config: ExperimentConfig, training_world: int) -> N
 # ----------------------------------------------------------------------------- batch sizes
 
 
+def _check_interleaved_micro_batches(what: str, count: int, megatron_key: str, megatron: MegatronSection) -> None:
+    """megatron's interleaved (VPP) schedule runs a multiple of pipeline_model_parallel_size micro-batches
+    (token-budget batching pads its count itself; fixed-size micro-batches must divide)."""
+    pp = megatron.pipeline_model_parallel_size
+    if megatron.virtual_pipeline_model_parallel_size and count % pp:
+        raise ConfigError(
+            f"{what} makes {count} micro-batches per rank, but {megatron_key}.virtual_pipeline_model_parallel_size="
+            f"{megatron.virtual_pipeline_model_parallel_size} (the interleaved schedule) needs a multiple of "
+            f"pipeline_model_parallel_size={pp}; change the batch or micro-batch sizes, or use_dynamic_bsz=true."
+        )
+
+
 def _check_ppo_batches(prefix: str, section: Any, dp: int, dynamic: bool, config: ExperimentConfig) -> None:
     """Rollout batch -> mini-batches (optimizer steps) -> per-rank micro-batches must all divide."""
     batch, n = config.data.train_batch_size, config.actor_rollout_ref.rollout.n
@@ -382,6 +394,10 @@ def _check_ppo_batches(prefix: str, section: Any, dp: int, dynamic: bool, config
         )
     if dynamic:
         _check_token_budget(f"{prefix}.ppo_max_token_len_per_gpu", section.ppo_max_token_len_per_gpu, config)
+    else:
+        _check_interleaved_micro_batches(f"{prefix}.ppo_micro_batch_size_per_gpu={micro} over a mini-batch of "
+                                         f"{mini_sequences} sequences / dp {dp}", mini_sequences // step,
+                                         f"{prefix}.megatron", section.megatron)
 
 
 def _check_token_budget(key: str, budget: int, config: ExperimentConfig) -> None:
@@ -394,24 +410,32 @@ def _check_token_budget(key: str, budget: int, config: ExperimentConfig) -> None
         )
 
 
-def _check_log_prob_batches(prefix: str, section: Any, dynamic: bool, config: ExperimentConfig) -> None:
+def _check_log_prob_batches(prefix: str, section: Any, dynamic: bool, config: ExperimentConfig, dp: int) -> None:
     if dynamic:
         _check_token_budget(f"{prefix}.log_prob_max_token_len_per_gpu", section.log_prob_max_token_len_per_gpu, config)
-    elif section.log_prob_micro_batch_size_per_gpu is None:
+        return
+    micro = section.log_prob_micro_batch_size_per_gpu
+    if micro is None:
         raise ConfigError(
             f"{prefix}.log_prob_micro_batch_size_per_gpu is not set (it defaults to "
             f"{ACTOR}.ppo_micro_batch_size_per_gpu); set either, or {ACTOR}.use_dynamic_bsz=true."
         )
+    rows = config.data.train_batch_size * config.actor_rollout_ref.rollout.n // dp
+    _check_interleaved_micro_batches(f"{prefix}.log_prob_micro_batch_size_per_gpu={micro} over {rows} sequences "
+                                     "per rank", math.ceil(rows / micro), f"{ACTOR}.megatron",
+                                     config.actor_rollout_ref.actor.megatron)
 
 
 def _check_actor_batches(config: ExperimentConfig, actor_dp: int) -> None:
     arr = config.actor_rollout_ref
     dynamic = arr.actor.use_dynamic_bsz
     _check_ppo_batches(ACTOR, arr.actor, actor_dp, dynamic, config)
-    _check_log_prob_batches(ROLLOUT, arr.rollout, dynamic, config)
+    _check_log_prob_batches(ROLLOUT, arr.rollout, dynamic, config, actor_dp)
     if arr.actor.use_kl_loss or config.algorithm.use_kl_in_reward:
-        _check_log_prob_batches("actor_rollout_ref.ref", arr.ref, dynamic, config)
+        _check_log_prob_batches("actor_rollout_ref.ref", arr.ref, dynamic, config, actor_dp)
 
 
 def _check_critic_batches(config: ExperimentConfig, critic_dp: int) -> None:
+    # (The value pass cuts the whole batch with the update's micro-batch size: whole mini-batches of
+    # whole micro-batches, so the update's checks cover it.)
     _check_ppo_batches("critic", config.critic, critic_dp, config.critic.use_dynamic_bsz, config)
