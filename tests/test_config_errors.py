@@ -248,6 +248,11 @@ def test_interleaved_pipeline_needs_a_multiple_of_pp_micro_batches():
                        world_size=2)
     assert message.startswith("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64 over 64 sequences")
     load_config(DEMO, [*PINNED, *vpp, "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40"], world_size=2)
+    # Token-budget batching: at least pp sequences per rank in every mini-batch.
+    dynamic = ["actor_rollout_ref.actor.use_dynamic_bsz=true", "critic.use_dynamic_bsz=true"]
+    message = error_of(DEMO, [*vpp, *dynamic, "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+                              "critic.ppo_mini_batch_size=1"], world_size=2)
+    assert "gives each rank 1 sequences" in message and "at least pipeline_model_parallel_size=2" in message
 
 
 def test_micro_batch_required_without_dynamic_batching(tmp_path):

@@ -16,6 +16,7 @@ from megatron.core.tensor_parallel import random as megatron_random
 original_tracker = megatron_random.CudaRNGStatesTracker
 from megatron.core.transformer import torch_norm
 original_norm_new = torch_norm.WrappedTorchNorm.__new__
+original_matmul = torch.matmul
 
 from parallel import cpu_compat, state
 assert cpu_compat.activate() is False
@@ -23,6 +24,7 @@ assert not cpu_compat.is_active()
 assert torch.cuda.current_device is original_current_device
 assert megatron_random.CudaRNGStatesTracker is original_tracker
 assert torch_norm.WrappedTorchNorm.__new__ is original_norm_new
+assert torch.matmul is original_matmul
 assert torch._C._len_torch_function_stack() == 0
 assert state.backend() == "nccl"
 print("GPU-PATH-UNTOUCHED")
@@ -39,6 +41,7 @@ def test_adaptation_is_inactive_when_cuda_is_available():
 
 _CPU_PATH_PROBE = r"""
 import torch
+original_matmul, original_tensor_matmul = torch.matmul, torch.Tensor.__matmul__
 from parallel import cpu_compat
 assert cpu_compat.activate() is True and cpu_compat.activate() is True  # idempotent
 assert torch.zeros(2, device="cuda").device.type == "cpu"
@@ -49,7 +52,12 @@ assert torch.ones(2).new_empty((3,), device="cuda").device.type == "cpu"
 assert torch.empty(1, device=torch.cuda.current_device()).device.type == "cpu"
 assert torch.ones(1).type() == "torch.cuda.FloatTensor"
 assert torch.ones(1).type("torch.cuda.HalfTensor").dtype == torch.float16
+# 16-bit products run as fp32 products rounded back: the same numbers as torch's own CPU kernel.
+a, b = torch.randn(32, 64).bfloat16(), torch.randn(64, 48).bfloat16()
+assert torch.equal(a @ b, torch.matmul.__wrapped__(a, b)) and (a @ b).dtype == torch.bfloat16
+assert torch.nn.functional.linear(a, b.t()).dtype == torch.bfloat16
 cpu_compat.deactivate()
+assert torch.matmul is original_matmul and torch.Tensor.__matmul__ is original_tensor_matmul
 assert not cpu_compat.is_active()
 assert torch._C._len_torch_function_stack() == 0
 assert torch.ones(1).type() == "torch.FloatTensor"

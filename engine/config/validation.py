@@ -350,15 +350,27 @@ def _check_replica_placement(config: ExperimentConfig, training_world: int) -> N
 # ----------------------------------------------------------------------------- batch sizes
 
 
-def _check_interleaved_micro_batches(what: str, count: int, megatron_key: str, megatron: MegatronSection) -> None:
-    """megatron's interleaved (VPP) schedule runs a multiple of pipeline_model_parallel_size micro-batches
-    (token-budget batching pads its count itself; fixed-size micro-batches must divide)."""
-    pp = megatron.pipeline_model_parallel_size
-    if megatron.virtual_pipeline_model_parallel_size and count % pp:
+def _check_interleaved_micro_batches(what: str, count: int, megatron_key: str, megatron: MegatronSection,
+                                     dynamic: bool = False) -> None:
+    """megatron's interleaved (VPP) schedule runs a multiple of pipeline_model_parallel_size micro-batches.
+
+    Token-budget batching rounds its count up itself but needs a sequence per micro-batch (``count``
+    is then the rank's sequences); fixed-size micro-batches must come out a multiple.
+    """
+    pp, vpp = megatron.pipeline_model_parallel_size, megatron.virtual_pipeline_model_parallel_size
+    if not vpp:
+        return
+    if dynamic and count < pp:
+        raise ConfigError(
+            f"{what} gives each rank {count} sequences, but {megatron_key}.virtual_pipeline_model_parallel_size={vpp} "
+            f"(the interleaved schedule) runs at least pipeline_model_parallel_size={pp} micro-batches of one "
+            f"sequence or more; raise the batch sizes."
+        )
+    if not dynamic and count % pp:
         raise ConfigError(
             f"{what} makes {count} micro-batches per rank, but {megatron_key}.virtual_pipeline_model_parallel_size="
-            f"{megatron.virtual_pipeline_model_parallel_size} (the interleaved schedule) needs a multiple of "
-            f"pipeline_model_parallel_size={pp}; change the batch or micro-batch sizes, or use_dynamic_bsz=true."
+            f"{vpp} (the interleaved schedule) needs a multiple of pipeline_model_parallel_size={pp}; change the "
+            f"batch or micro-batch sizes, or use_dynamic_bsz=true."
         )
 
 
@@ -394,6 +406,8 @@ def _check_ppo_batches(prefix: str, section: Any, dp: int, dynamic: bool, config
         )
     if dynamic:
         _check_token_budget(f"{prefix}.ppo_max_token_len_per_gpu", section.ppo_max_token_len_per_gpu, config)
+        _check_interleaved_micro_batches(f"{prefix}.ppo_mini_batch_size * n = {mini_sequences} sequences / dp {dp}",
+                                         mini_sequences // dp, f"{prefix}.megatron", section.megatron, dynamic=True)
     else:
         _check_interleaved_micro_batches(f"{prefix}.ppo_micro_batch_size_per_gpu={micro} over a mini-batch of "
                                          f"{mini_sequences} sequences / dp {dp}", mini_sequences // step,
@@ -411,8 +425,11 @@ def _check_token_budget(key: str, budget: int, config: ExperimentConfig) -> None
 
 
 def _check_log_prob_batches(prefix: str, section: Any, dynamic: bool, config: ExperimentConfig, dp: int) -> None:
+    rows = config.data.train_batch_size * config.actor_rollout_ref.rollout.n // dp
     if dynamic:
         _check_token_budget(f"{prefix}.log_prob_max_token_len_per_gpu", section.log_prob_max_token_len_per_gpu, config)
+        _check_interleaved_micro_batches(f"the {prefix} log-prob pass over data.train_batch_size * n / dp", rows,
+                                         f"{ACTOR}.megatron", config.actor_rollout_ref.actor.megatron, dynamic=True)
         return
     micro = section.log_prob_micro_batch_size_per_gpu
     if micro is None:
@@ -420,7 +437,6 @@ def _check_log_prob_batches(prefix: str, section: Any, dynamic: bool, config: Ex
             f"{prefix}.log_prob_micro_batch_size_per_gpu is not set (it defaults to "
             f"{ACTOR}.ppo_micro_batch_size_per_gpu); set either, or {ACTOR}.use_dynamic_bsz=true."
         )
-    rows = config.data.train_batch_size * config.actor_rollout_ref.rollout.n // dp
     _check_interleaved_micro_batches(f"{prefix}.log_prob_micro_batch_size_per_gpu={micro} over {rows} sequences "
                                      "per rank", math.ceil(rows / micro), f"{ACTOR}.megatron",
                                      config.actor_rollout_ref.actor.megatron)

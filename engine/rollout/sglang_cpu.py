@@ -14,6 +14,9 @@ when ``torch.cuda.is_available()`` is False:
   RAM after loading minus ``(1 - fraction)`` x free RAM before loading, so a small fraction fails
   start-up (measured) whenever other processes allocate meanwhile; ``--max-total-tokens`` still
   caps the pool.
+- ``SGLANG_NCCL_SO_PATH`` pointing at no library: the CUDA build of torch ships ``libnccl``, and
+  with it SGLang's CPU engine starts a PyNccl communicator for TP > 1 and fails ("Expected a cuda
+  device"); without the library it keeps to its gloo groups, as on a machine without CUDA wheels.
 - no ``/release_memory_occupation`` / ``/resume_memory_occupation`` requests: SGLang 0.5.23's
   handler calls ``torch.cuda.synchronize()`` and takes the CPU scheduler down (measured), and
   there is no accelerator memory to give back on CPU anyway.
@@ -28,6 +31,7 @@ import torch
 CPU_STANDINS_DIR = Path(__file__).resolve().parents[2] / "launch" / "install" / "cpu_standins"
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
 CPU_MIN_MEM_FRACTION_STATIC = 0.5
+NO_NCCL_LIBRARY = "trident-cpu-has-no-nccl.so"  # dlopen fails on it, so SGLang disables PyNccl
 
 
 def needs_cpu_adaptation() -> bool:
@@ -52,6 +56,7 @@ def adapt_server_for_cpu(args: list[str], env: dict[str, str], tensor_model_para
         args += ["--max-total-tokens", str(CPU_DEFAULT_MAX_TOTAL_TOKENS)]
     env = dict(env)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env["SGLANG_NCCL_SO_PATH"] = NO_NCCL_LIBRARY
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_STANDINS_DIR), env.get("PYTHONPATH", "")) if p)
     if tensor_model_parallel_size > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in env:
         # One core per TP rank (SGLang's CPU engine binds OpenMP threads per rank).

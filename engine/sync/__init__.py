@@ -9,9 +9,10 @@ from engine.sync.weight_sync import (
     check_engine_weights,
     check_rollout_log_probs,
     engine_weights,
+    expected_log_prob_gap,
 )
 
 __all__ = [
     "WeightSyncConfig", "WeightSyncReport", "WeightSynchronizer", "check_by_log_probs", "check_engine_weights",
-    "check_rollout_log_probs", "engine_weights", "owner_of", "parameter_specs",
+    "check_rollout_log_probs", "engine_weights", "expected_log_prob_gap", "owner_of", "parameter_specs",
 ]

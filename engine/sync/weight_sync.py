@@ -199,6 +199,18 @@ def check_by_log_probs(
     return worst
 
 
+# The mean |rollout - trainer| log-prob per response token that matching weights stay under, by the
+# coarser of the two precisions. Measured on the demo model (embedded engine and SGLang on CPU):
+# fp32 ~1e-6, fp16 ~1e-3, bf16 ~7e-3; each bound is ~4x the measurement (fp32: round-off of other
+# kernels and TP reductions). Wrong or missing weights give differences of order 1.
+EXPECTED_LOG_PROB_GAP = {"float32": 1e-3, "float16": 0.0075, "bfloat16": 0.03}
+
+
+def expected_log_prob_gap(*dtypes: str) -> float:
+    """The log-prob gap to expect between engines running at ``dtypes`` (the coarsest one counts)."""
+    return max(EXPECTED_LOG_PROB_GAP[dtype] for dtype in dtypes)
+
+
 def check_rollout_log_probs(rollout_log_probs: torch.Tensor, trainer_log_probs: torch.Tensor,
                             response_mask: torch.Tensor, tolerance: float) -> float:
     """The sync check for engines that cannot show their tensors: the rollout's own log-probs of
