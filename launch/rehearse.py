@@ -404,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-ranks", type=int, default=4, help="most CPU ranks to start (default 4)")
     parser.add_argument("--out", default=None, help="working folder (default: a new temporary folder)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds the job may take (default 1800)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # key=value overrides may follow the options
     if args.steps < 1 or args.max_ranks < 1:
         parser.error("--steps and --max-ranks must be >= 1")
     out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="trident-rehearse-"))

@@ -25,6 +25,7 @@ from engine.rollout.base import KV_CACHE, MEMORY_TAGS, WEIGHTS, SamplingParams
 from engine.sync import check_rollout_log_probs
 from engine.trainer.checkpoint import export_hf_model
 from engine.trainer.components import PPOComponents, build_components
+from engine.trainer.flops import DecoderShape, model_flops_utilization, peak_flops_per_device, training_flops
 from engine.trainer.run_dir import RunDirectory, attach_rank_log_file
 from engine.trainer.tracking import Tracker, phase, step_peak_memory
 from parallel.hybrid_engine import gather_generation_results, split_for_generation
@@ -41,7 +42,7 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
         run.write_config(cfg)
         print(f"[trident] run directory: {run.summary()}", flush=True)
     parts = build_components(cfg, run)
-    step = _resume_from_checkpoint(cfg, parts)
+    step = resume_from_checkpoint(cfg, parts)
     parts.weight_sync.sync(parts.engine)  # the engine serves exactly the (possibly resumed) actor
     tracker = Tracker(cfg.trainer.logger, tensorboard_dir=run.tensorboard_dir, metrics_file=run.metrics_file,
                       total_steps=parts.total_training_steps, start_step=step)
@@ -59,7 +60,7 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
             last = step == parts.total_training_steps
             # save_freq -1: only at the end of the run.
             if last or (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0):
-                _save(parts, step)
+                save_checkpoint(parts, step)
             if last:
                 break
     tracker.close()
@@ -121,6 +122,7 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
     if step > cfg.critic.warmup_steps or parts.critic is None:
         with phase("update_actor", metrics):
             metrics.update(parts.actor.update_policy(batch))
+        metrics["perf/mfu/actor"] = _actor_update_mfu(cfg, parts, batch, metrics["timing_s/update_actor"])
     with phase("update_weights", metrics):  # every step: released weights must be pushed again
         _resume_engine_memory(parts, (WEIGHTS,))
         parts.weight_sync.sync(parts.engine)
@@ -133,6 +135,15 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
     metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / dist.get_world_size()
     metrics.update(step_peak_memory(metrics))
     return metrics
+
+
+def _actor_update_mfu(cfg: ExperimentConfig, parts: PPOComponents, batch: RolloutBatch, seconds: float) -> float | None:
+    """Model FLOPs of the actor's PPO epochs over the batch / (time x the devices' peak); None where
+    the peak is unknown (CPU, fp32, unlisted GPUs), so the metric is absent rather than wrong."""
+    shape = DecoderShape.from_architecture(parts.actor.model_chunks[0].hf_architecture)
+    flops = cfg.actor_rollout_ref.actor.ppo_epochs * training_flops(shape, batch.attention_mask.sum(dim=1).tolist())
+    peak = peak_flops_per_device(dtype=getattr(torch, cfg.actor_rollout_ref.actor.megatron.param_dtype))
+    return model_flops_utilization(flops, seconds, dist.get_world_size(), peak)
 
 
 def _release_engine_memory(parts: PPOComponents, tags) -> None:
@@ -240,7 +251,8 @@ def validate(cfg: ExperimentConfig, parts: PPOComponents) -> dict[str, float]:
             "val/accuracy": float(sum(s >= 1.0 for s in scores) / max(len(scores), 1))}
 
 
-def _save(parts: PPOComponents, step: int) -> None:
+def save_checkpoint(parts: PPOComponents, step: int) -> None:
+    """Everything ``resume_from_checkpoint`` needs to continue exactly after ``step`` (collective)."""
     extra = {"step": step, "sampler": parts.train_loader.state_dict(), "kl_controller": parts.kl_controller.state_dict(),
              # the roles seed each update's mini-batch shuffle with their call count
              "update_calls": {name: role.num_update_calls for name, role in _trained_roles(parts).items()}}
@@ -253,7 +265,8 @@ def _trained_roles(parts: PPOComponents) -> dict:
     return {"actor": parts.actor, **({"critic": parts.critic} if parts.critic is not None else {})}
 
 
-def _resume_from_checkpoint(cfg: ExperimentConfig, parts: PPOComponents) -> int:
+def resume_from_checkpoint(cfg: ExperimentConfig, parts: PPOComponents) -> int:
+    """Load the checkpoint ``trainer.resume_mode`` picks into ``parts``; the step it ends, or 0."""
     path = parts.checkpoints.resolve_resume(cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
     if path is None:
         return 0

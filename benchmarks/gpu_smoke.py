@@ -1,0 +1,229 @@
+"""One-GPU smoke check of the production path: bf16 PPO at TP1 on a random ~0.5B Qwen2-shaped model.
+
+    python -m benchmarks.gpu_smoke [--steps 3] [--out DIR]     # on one GPU (about 2-4 minutes)
+    python -m benchmarks.gpu_smoke --cpu                       # the same flow on a tiny model (CI)
+
+One process, a world of one rank. The experiment is ``yaml/qwen2.5-0.5b_gsm8k.yaml`` as written
+(bf16, GAE with a critic, the distributed optimizer, sequence packing) except: a random model with
+Qwen2.5-0.5B's shapes (tied 151,936-token embedding, 24 layers, 14 heads / 2 KV heads: 494M
+parameters; ``--cpu``: 2 layers of width 64), the character tokenizer and GSM8K stand-in prompts
+of ``launch.rehearse``, one rank, a batch of 64 prompts (``--cpu``: 8), and the embedded torch
+rollout engine. SGLang and transformer-engine are too large to carry to a bare lent machine, so
+generation runs in transformers and megatron uses its local layer spec (with transformer-engine
+installed, the same script picks TE's spec). In order it:
+
+1. checks the colocated memory hand-off on the real engine: device memory (CUDA allocator; on CPU
+   the engine's own weight storage) before and after ``release_memory``, after resuming the weights,
+   and after the push and the KV cache's resume;
+2. runs PPO steps 1 .. N-1 (each releases and resumes the engine as the loop does), saves a
+   checkpoint, tears everything down, builds it again from the checkpoint (the actor's weights must
+   come back bit-identical) and runs step N;
+3. reports per-phase seconds and peak memory, the actor update's MFU (989 TFLOP/s peak on H100/H200),
+   the rollout-vs-trainer log-prob gap (checked against ``engine.sync.expected_log_prob_gap``), and
+   writes it all to ``DIR/gpu_smoke.json``. Exit status 1 when a check fails.
+
+On the lent H200 (torch, transformers, pyarrow, tensorboard present; megatron-core, omegaconf and
+antlr4 carried as wheels in ``.whl``, see the device tool's README)::
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_smoke --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EXPERIMENT = REPO_ROOT / "yaml" / "qwen2.5-0.5b_gsm8k.yaml"
+GIB = 1024**3
+# Qwen2.5-0.5B's config.json shapes (launch.plan.KNOWN_ARCHITECTURES) and the CPU stand-in.
+GPU_MODEL = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+             "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768}
+CPU_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 512}
+# (prompts per step, prompts per mini-batch, sequences per micro-batch, response tokens)
+GPU_BATCH, CPU_BATCH = (64, 32, 16, 128), (8, 4, 2, 16)
+
+
+class SmokeFailure(AssertionError):
+    """A check of the smoke run failed; the message says which."""
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise SmokeFailure(message)
+
+
+def prepare(work: Path, cpu: bool) -> list[str]:
+    """The random model, the stand-in data, and the config overrides that point at them."""
+    from launch.plan import KNOWN_ARCHITECTURES
+    from launch.rehearse import write_gsm8k_stand_in, write_tiny_model
+
+    written = KNOWN_ARCHITECTURES["qwen2.5-0.5b-instruct"]
+    fields = {"model_type": "qwen2", "rms_norm_eps": written["rms_norm_eps"], "tie_word_embeddings": True,
+              "rope_parameters": {"rope_type": "default", "rope_theta": written["rope_theta"]},
+              "hidden_act": "silu", "initializer_range": 0.02, **(CPU_MODEL if cpu else GPU_MODEL)}
+    model_dir = write_tiny_model(fields, work / "model")
+    prompts, mini, micro, response = CPU_BATCH if cpu else GPU_BATCH
+    train, val = write_gsm8k_stand_in(work / "data", train_prompts=prompts * 8, val_prompts=8)
+    return [
+        f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={train}", f"data.val_files={val}",
+        f"data.train_batch_size={prompts}", "data.max_prompt_length=128", f"data.max_response_length={response}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}", f"critic.ppo_mini_batch_size={mini}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}", f"critic.ppo_micro_batch_size_per_gpu={micro}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
+        "actor_rollout_ref.rollout.name=torch", "reward_model.num_workers=0",
+        "trainer.nnodes=1", "trainer.n_gpus_per_node=1", f"trainer.device={'cpu' if cpu else 'cuda'}",
+        f"trainer.default_local_dir={work / 'run'}", "trainer.resume_mode=disable", "trainer.val_before_train=false",
+    ]
+
+
+def device_memory(engine) -> float:
+    """Bytes the engine's weights occupy, as the device sees them: the CUDA allocator's count on a
+    GPU, the engine's own weight storage on CPU (process RSS is too coarse for a tiny model)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        return float(torch.cuda.memory_allocated())
+    return float(engine.resident_weight_bytes())
+
+
+def memory_hand_off(parts) -> dict[str, float]:
+    """release -> resume weights -> push -> resume KV cache, on the real engine, measured."""
+    from engine.rollout.base import KV_CACHE, WEIGHTS
+
+    engine = parts.engine
+    weights = engine.resident_weight_bytes()
+    before = device_memory(engine)
+    engine.release_memory()
+    released = device_memory(engine)
+    engine.resume_memory([WEIGHTS])
+    resumed = device_memory(engine)
+    parts.weight_sync.sync(engine)
+    engine.resume_memory([KV_CACHE])
+    after = device_memory(engine)
+    result = {"engine_weight_gb": weights / GIB, "before_gb": before / GIB, "released_gb": released / GIB,
+              "weights_resumed_gb": resumed / GIB, "after_sync_gb": after / GIB}
+    check(before - released >= 0.9 * weights, f"release_memory freed {(before - released) / GIB:.3f} GiB of the "
+                                              f"engine's {weights / GIB:.3f} GiB of weights")
+    check(resumed - released >= 0.9 * weights, f"resume_memory(weights) took back {(resumed - released) / GIB:.3f} GiB")
+    return result
+
+
+def actor_fingerprint(parts) -> list[float]:
+    import torch
+
+    with torch.no_grad():
+        return [float(p.detach().double().sum()) for chunk in parts.actor.model_chunks for p in chunk.parameters()]
+
+
+def run(steps: int, cpu: bool, work: Path) -> dict[str, Any]:
+    import torch
+
+    from engine.config import load_config
+    from engine.models.gpt import use_transformer_engine
+    from engine.sync import expected_log_prob_gap
+    from engine.trainer.components import build_components
+    from engine.trainer.ppo_trainer import resume_from_checkpoint, save_checkpoint
+    from engine.trainer.run_dir import RunDirectory
+    from parallel.state import destroy_model_parallel, initialize_model_parallel
+
+    check(cpu or torch.cuda.is_available(), "no GPU: run with --cpu for the CPU flow")
+    started = time.perf_counter()
+    cfg = load_config(EXPERIMENT, [*prepare(work, cpu), f"trainer.total_training_steps={steps}"], world_size=1)
+    megatron = cfg.actor_rollout_ref.actor.megatron
+    initialize_model_parallel(megatron.layout(), seed=megatron.seed)
+    run_dir = RunDirectory.create(cfg.trainer.default_local_dir)
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "layer_spec": "transformer-engine" if use_transformer_engine() else "megatron local (no transformer-engine)",
+        "rollout_engine": "embedded torch (transformers generate)", "param_dtype": megatron.param_dtype,
+        "rollout_dtype": cfg.actor_rollout_ref.rollout.dtype, "steps": [],
+    }
+    try:
+        parts = build_components(cfg, run_dir)
+        report["parameters"] = sum(p.numel() for chunk in parts.actor.model_chunks for p in chunk.parameters())
+        parts.weight_sync.sync(parts.engine)
+        report["memory_hand_off"] = memory_hand_off(parts)
+        batches = iter(parts.train_loader)
+        for step in range(1, steps):
+            report["steps"].append(_step(cfg, parts, next(batches), step))
+        save_checkpoint(parts, steps - 1)
+        saved = actor_fingerprint(parts)
+        parts.engine.shutdown()
+        del parts, batches
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+        cfg.trainer.resume_mode = "auto"
+        parts = build_components(cfg, run_dir)
+        check(resume_from_checkpoint(cfg, parts) == steps - 1, "the rebuilt run did not resume from the checkpoint")
+        check(actor_fingerprint(parts) == saved, "the resumed actor's weights differ from the saved ones")
+        parts.weight_sync.sync(parts.engine)
+        report["steps"].append(_step(cfg, parts, next(iter(parts.train_loader)), steps))
+        parts.engine.shutdown()
+    finally:
+        destroy_model_parallel()
+    tolerance = expected_log_prob_gap(cfg.actor_rollout_ref.rollout.dtype, megatron.param_dtype)
+    for row in report["steps"]:
+        check(row["rollout/log_prob_abs_diff"] <= tolerance,
+              f"step {row['step']}: rollout vs trainer log-prob gap {row['rollout/log_prob_abs_diff']:.3g} > {tolerance}")
+        for key in ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm"):
+            check(row[key] == row[key] and abs(row[key]) < float("inf"), f"step {row['step']}: {key} = {row[key]}")
+    report["seconds"] = time.perf_counter() - started
+    return report
+
+
+def _step(cfg, parts, prompts, step: int) -> dict[str, Any]:
+    from engine.trainer.ppo_trainer import ppo_iteration
+
+    metrics = ppo_iteration(cfg, parts, prompts, step)
+    keys = ("rollout/log_prob_abs_diff", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "perf/mfu/actor",
+            "perf/throughput", "perf/total_num_tokens", "response_length/mean")
+    row = {"step": step, **{key: metrics[key] for key in keys if key in metrics}}
+    row.update({key: value for key, value in metrics.items() if key.startswith(("timing_s/", "perf/max_"))})
+    phases = [key[len("timing_s/"):] for key in metrics if key.startswith("timing_s/") and key != "timing_s/step"]
+    memory = "max_memory_allocated_gb" if "perf/max_memory_allocated_gb" in metrics else "max_rss_gb"
+    mfu = row.get("perf/mfu/actor")
+    print(f"[gpu_smoke] step {step}: {metrics['timing_s/step']:.2f} s, log-prob gap "
+          f"{metrics['rollout/log_prob_abs_diff']:.2e}, actor MFU {'-' if mfu is None else f'{mfu:.1%}'}", flush=True)
+    for name in phases:
+        print(f"[gpu_smoke]   {name:<15} {metrics[f'timing_s/{name}']:8.3f} s   peak "
+              f"{metrics[f'perf/{memory}/{name}']:7.2f} GiB ({memory})", flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu", action="store_true", help="the same flow on a tiny model (machines without a GPU)")
+    parser.add_argument("--steps", type=int, default=3, help="PPO steps; a checkpoint is saved and resumed before the last")
+    parser.add_argument("--out", default=None, help="folder for the model, data, run and gpu_smoke.json")
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (the last step runs after a resume)")
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="trident-gpu-smoke-"))
+    out.mkdir(parents=True, exist_ok=True)
+    if args.cpu:
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron's jit fuser compiles for ~16 s on CPU
+    try:
+        report = run(args.steps, args.cpu, out)
+    except SmokeFailure as failure:
+        print(f"[gpu_smoke] FAILED: {failure}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    (out / "gpu_smoke.json").write_text(json.dumps(report, indent=2))
+    print(f"[gpu_smoke] passed in {report['seconds']:.0f} s on {report['device']}; memory hand-off "
+          f"{report['memory_hand_off']}; report {out / 'gpu_smoke.json'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

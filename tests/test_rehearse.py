@@ -1,0 +1,79 @@
+"""launch.rehearse: every experiment in yaml/ runs, as written, at the scale of this machine."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import transformers
+
+from engine.models.hf_config import architecture_from_hf
+from launch.plan import KNOWN_ARCHITECTURES
+from launch.rehearse import _generation_tp, tiny_model_config, write_tiny_model
+from tests.distributed import REPO_ROOT
+from tests.rollout_support import SGLANG_MARKS
+
+EXPERIMENTS = sorted(str(path.relative_to(REPO_ROOT)) for path in (REPO_ROOT / "yaml").glob("*.yaml"))
+
+
+def uses_sglang(experiment: str) -> bool:
+    from engine.config import load_config
+
+    return load_config(REPO_ROOT / experiment).actor_rollout_ref.rollout.name == "sglang"
+
+
+@pytest.mark.parametrize("written_tg, written_tp, tp, pp, expected", [
+    (8, 8, 2, 2, 2),   # tg = T stays tg = T'
+    (2, 4, 2, 1, 1),   # tg = T / 2 stays T' / 2
+    (1, 1, 1, 1, 1),
+    (4, 2, 2, 2, 4),   # tg = 2 T (across two pipeline stages) stays 2 T'
+    (8, 2, 2, 2, 4),   # tg = 4 T: only two stages are left to span
+])
+def test_generation_tp_keeps_its_relation_to_training_tp(written_tg, written_tp, tp, pp, expected):
+    assert _generation_tp(written_tg, written_tp, tp, pp) == expected
+
+
+@pytest.mark.parametrize("name", ["meta-llama-3-70b-instruct", "llama-3.1-70b", "qwen2.5-72b", "qwen2.5-0.5b"])
+def test_tiny_model_keeps_the_family(name, tmp_path):
+    written = architecture_from_hf(SimpleNamespace(**KNOWN_ARCHITECTURES[name]))
+    fields = tiny_model_config(written, tensor_parallel=2, pipeline_stages=4, generation_tp=2, vocab_size=100,
+                               max_positions=256)
+    tiny = architecture_from_hf(write_tiny_model(fields, tmp_path / "model"))
+    assert tiny.model_type == written.model_type and tiny.add_qkv_bias == written.add_qkv_bias
+    assert tiny.tie_word_embeddings == written.tie_word_embeddings
+    assert tiny.heads_per_query_group == written.heads_per_query_group
+    assert (tiny.rope_scaling and tiny.rope_scaling.rope_type) == (written.rope_scaling and written.rope_scaling.rope_type)
+    assert tiny.rotary_base == written.rotary_base and tiny.num_layers == 4
+    assert tiny.num_query_groups % 2 == 0 and tiny.hidden_size < 256
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "model").chat_template
+
+
+def test_missing_data_without_a_stand_in_is_a_config_error(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.rehearse", "yaml/qwen2.5-0.5b_gsm8k.yaml", "--out", str(tmp_path),
+         "data.train_files=data/math/train.parquet", "data.val_files=null"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "data/math/train.parquet" in result.stderr and "stand-ins only for GSM8K" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("experiment", [
+    pytest.param(name, marks=SGLANG_MARKS if uses_sglang(name) else []) for name in EXPERIMENTS])
+def test_every_experiment_rehearses(experiment, demo_model, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.rehearse", experiment, "--out", str(tmp_path)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=1500)
+    assert result.returncode == 0, f"{result.stdout[-4000:]}\n{result.stderr[-6000:]}\n{(tmp_path / 'job.log').read_text()[-6000:] if (tmp_path / 'job.log').exists() else ''}"
+    report = json.loads((tmp_path / "rehearsal.json").read_text())
+    # Only what this machine cannot hold changed; the precision and the rollout engine stayed.
+    changed = {change["key"] for change in report["changes"]}
+    assert not changed & {"actor_rollout_ref.actor.megatron.param_dtype", "actor_rollout_ref.rollout.dtype",
+                          "actor_rollout_ref.rollout.name", "algorithm.adv_estimator"}
+    assert report["world_size"] <= 4 and report["result"]["timing_s/step"] > 0
+    assert "passed: 2 steps" in result.stdout
