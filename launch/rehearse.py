@@ -339,7 +339,7 @@ def check_run(run_dir: Path, steps: int, config: ExperimentConfig) -> dict[str, 
 
 
 def rehearse(yaml_path: str, overrides: Sequence[str], *, steps: int, max_ranks: int, out_dir: Path,
-             timeout_s: float) -> dict[str, Any]:
+             timeout_s: float, dry_run: bool = False) -> dict[str, Any]:
     """Plan, build, run and check the rehearsal of ``yaml_path``; returns its report."""
     from launch.plan import PlanError, resolve_architecture
 
@@ -381,6 +381,8 @@ def rehearse(yaml_path: str, overrides: Sequence[str], *, steps: int, max_ranks:
     }
     (out_dir / "rehearsal.json").write_text(json.dumps(report, indent=2, default=str))
     _print_plan(report)
+    if dry_run:
+        return report
     started = time.monotonic()
     run_job(config_file, plan.world_size, out_dir / "job.log", timeout_s)
     report["result"] = check_run(run_dir, steps, rehearsed)
@@ -404,19 +406,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-ranks", type=int, default=4, help="most CPU ranks to start (default 4)")
     parser.add_argument("--out", default=None, help="working folder (default: a new temporary folder)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds the job may take (default 1800)")
+    parser.add_argument("--dry-run", action="store_true", help="write the model, data and config; print the changes; "
+                                                                "do not run the job")
     args = parser.parse_intermixed_args(argv)  # key=value overrides may follow the options
     if args.steps < 1 or args.max_ranks < 1:
         parser.error("--steps and --max-ranks must be >= 1")
     out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="trident-rehearse-"))
     try:
         report = rehearse(args.yaml_path, args.overrides, steps=args.steps, max_ranks=args.max_ranks,
-                          out_dir=out_dir, timeout_s=args.timeout)
+                          out_dir=out_dir, timeout_s=args.timeout, dry_run=args.dry_run)
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         sys.exit(2)
     except RehearsalError as error:
         print(f"[rehearse] FAILED: {error}", file=sys.stderr)
         sys.exit(1)
+    if args.dry_run:
+        print(f"[rehearse] dry run: the rehearsal's config is {report['config']}", flush=True)
+        return
     print(f"[rehearse] passed: {args.steps} steps in {report['seconds']} s; last step {report['result']}; "
           f"report {out_dir / 'rehearsal.json'}", flush=True)
 
