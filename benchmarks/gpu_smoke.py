@@ -81,7 +81,7 @@ def prepare(work: Path, cpu: bool) -> list[str]:
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}", f"critic.ppo_micro_batch_size_per_gpu={micro}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
         "actor_rollout_ref.rollout.name=torch", "reward_model.num_workers=0",
-        "trainer.nnodes=1", "trainer.n_gpus_per_node=1", f"trainer.device={'cpu' if cpu else 'cuda'}",
+        "trainer.nnodes=1", "trainer.n_gpus_per_node=1",
         f"trainer.default_local_dir={work / 'run'}", "trainer.resume_mode=disable", "trainer.val_before_train=false",
     ]
 

@@ -79,7 +79,8 @@ def bench_layout(text: str, repeats: int, bucket_megabytes: float) -> dict:
 
     from engine.models.checkpoint import export_hf_state_dict
     from engine.models.gpt import build_model_chunks
-    from engine.sync import WeightSyncConfig, WeightSynchronizer
+    from engine.config import RolloutConfig
+    from engine.sync import WeightSynchronizer
     from parallel.layout import ParallelLayout
     from parallel.state import device, initialize_model_parallel
 
@@ -94,9 +95,9 @@ def bench_layout(text: str, repeats: int, bucket_megabytes: float) -> dict:
     result: dict = {"layout": None, "world_size": dist.get_world_size(), "methods": {}}
 
     for target in ("full", "sharded"):
-        sync = WeightSynchronizer(chunks, layout, WeightSyncConfig(
-            tensor_model_parallel_size=tg, update_weights_bucket_megabytes=bucket_megabytes, dtype="bfloat16",
-            target=target))
+        sync = WeightSynchronizer(chunks, layout, RolloutConfig(
+            tensor_model_parallel_size=tg, update_weights_bucket_megabytes=bucket_megabytes, dtype="bfloat16"),
+            target=target)
         result["layout"] = sync.layout.describe()
 
         def run():

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import transformers
 
+from engine.config import RolloutConfig
 from engine.rollout import RolloutEngine, SamplingParams, create_rollout_engine
 
 
@@ -125,11 +126,11 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         if name == "sglang" and importlib.util.find_spec("sglang") is None:
             report["engines"][name] = {"skipped": "sglang is not installed (bash launch/install/sglang_cpu.sh .venv/bin/python)"}
             continue
-        settings: dict[str, Any] = {"model_path": str(model_path), "dtype": "float32"}
-        if name == "sglang":
-            settings.update(run_dir=str(workdir / "sglang"), gpu_memory_utilization=0.05 if not torch.cuda.is_available() else 0.6)
+        rollout = RolloutConfig(name=name, dtype="float32",
+                                gpu_memory_utilization=0.05 if not torch.cuda.is_available() else 0.6)
+        launch = {"run_dir": str(workdir / "sglang")} if name == "sglang" else {}
         start = time.perf_counter()
-        engine = create_rollout_engine(name, **settings)
+        engine = create_rollout_engine(rollout, str(model_path), **launch)
         entry: dict[str, Any] = {"startup_seconds": time.perf_counter() - start}
         try:
             entry["generation"] = measure_generation(engine, prompts, params)

@@ -57,10 +57,12 @@ def make_batch(args):
     return RolloutBatch(input_ids, attention_mask, response_mask, old_log_probs=old, advantages=advantages)
 
 
-def loss_config():
-    from engine.algo.losses import ActorLossConfig
+def actor_config(args, micro_batch_size_per_gpu: int):
+    """The actor's settings of this benchmark: AdamW 1e-5, entropy bonus 0.01, the mini-batch as given."""
+    from engine.config import ActorConfig, OptimConfig
 
-    return ActorLossConfig(entropy_coeff=0.01)
+    return ActorConfig(ppo_mini_batch_size=args.mini_batch, ppo_micro_batch_size_per_gpu=micro_batch_size_per_gpu,
+                       entropy_coeff=0.01, optim=OptimConfig(lr=1e-5, betas=[0.9, 0.95]))
 
 
 def baseline(args, hf_dir: Path) -> dict:
@@ -73,7 +75,7 @@ def baseline(args, hf_dir: Path) -> dict:
     model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.01)
     batch = make_batch(args)
-    config = loss_config()
+    config = actor_config(args, args.micro_batch)
     response = args.response
 
     def update():
@@ -116,22 +118,21 @@ def worker(args) -> None:
 
     from engine.models.checkpoint import load_hf_weights
     from engine.models.gpt import build_model_chunks
-    from engine.roles import ActorConfig, MegatronActor, OptimConfig
+    from engine.roles import MegatronActor, MicroBatchConfig
 
     chunks = build_model_chunks(args.hf_dir, layout,
                                 params_dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32)
     load_hf_weights(chunks, args.hf_dir)
     dp = parallel_state.get_data_parallel_world_size()
-    config = ActorConfig(ppo_mini_batch_size=args.mini_batch, ppo_micro_batch_size_per_gpu=max(1, args.micro_batch // dp),
-                         shuffle=False, loss=loss_config())
-    actor = MegatronActor(chunks, config, OptimConfig(lr=1e-5, betas=(0.9, 0.95)),
-                          total_training_steps=100, use_remove_padding=True)
+    config = actor_config(args, max(1, args.micro_batch // dp))
+    actor = MegatronActor(chunks, config, log_prob_batches=MicroBatchConfig(), samples_per_prompt=1,
+                          total_optimizer_steps=100, seed=1, use_remove_padding=True)
     batch = make_batch(args)
-    actor.update_policy(batch)  # warm-up
+    actor.update_policy(batch, temperature=1.0)  # warm-up
     torch.distributed.barrier()
     start = time.perf_counter()
     for _ in range(args.steps):
-        actor.update_policy(batch)
+        actor.update_policy(batch, temperature=1.0)
     torch.distributed.barrier()
     seconds = (time.perf_counter() - start) / args.steps
     if torch.distributed.get_rank() == 0:

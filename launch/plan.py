@@ -25,7 +25,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Sequence
 
-from engine.config import ConfigError, ExperimentConfig, MegatronSection, load_config
+from engine.config import ConfigError, ExperimentConfig, MegatronConfig, load_config
 from engine.models.hf_config import ModelArchitecture, UnsupportedModelError, architecture_from_hf
 from launch.memory_model import (
     GIB,
@@ -151,12 +151,12 @@ def _num_microbatches(dynamic: bool, budget: int, mini_batch: int, micro_batch: 
     return max(1, sequences // micro_batch)
 
 
-def _layout_and_dp(megatron: MegatronSection, world: int):
+def _layout_and_dp(megatron: MegatronConfig, world: int):
     layout = megatron.layout()
     return layout, layout.data_parallel_size(world)
 
 
-def _check_split(architecture: ModelArchitecture, megatron: MegatronSection, key: str) -> None:
+def _check_split(architecture: ModelArchitecture, megatron: MegatronConfig, key: str) -> None:
     try:
         architecture.validate_layout(megatron.layout())
     except UnsupportedModelError as err:
@@ -171,8 +171,7 @@ def memory_inputs(config: ExperimentConfig, world_size: int) -> tuple[list[Model
     """
     arr = config.actor_rollout_ref
     actor, rollout = arr.actor, arr.rollout
-    colocated = rollout.mode == "colocated"
-    training_world = world_size if colocated else world_size - rollout.num_gpus
+    training_world = world_size  # colocated: the engine shares every training GPU
     architecture, source = resolve_architecture(arr.model.path, "actor_rollout_ref.model.path")
     _check_split(architecture, actor.megatron, "actor_rollout_ref.actor.megatron")
     actor_layout, actor_dp = _layout_and_dp(actor.megatron, training_world)
@@ -232,8 +231,6 @@ def memory_inputs(config: ExperimentConfig, world_size: int) -> tuple[list[Model
         weight_dtype_bytes=DTYPE_BYTES[rollout.dtype],
         kv_cache_dtype_bytes=DTYPE_BYTES[rollout.dtype],
         update_weights_bucket_megabytes=rollout.update_weights_bucket_megabytes,
-        colocated=colocated,
-        engine_gpus=world_size if colocated else rollout.num_gpus,
         # The torch engine is HF generate inside each trainer process: one full copy per rank and
         # a KV cache for that rank's prompts, no memory fraction of its own.
         in_process=rollout.name == "torch",
@@ -296,11 +293,11 @@ def summary_lines(report: PlanReport) -> list[str]:
         f"model: {report.parameters / 1e9:.2f} B parameters ({report.architecture_source})",
     ]
     lines += [f"{model.role}: {_layout_text(model)}" for model in report.models]
-    replicas = rollout.engine_gpus // rollout.tensor_model_parallel_size
+    replicas = rollout.replicas(report.world_size)
     lines.append(
         f"rollout: TP{rollout.tensor_model_parallel_size}, {replicas} replica(s), "
         + ("in-process engine" if rollout.in_process else f"gpu_memory_utilization {rollout.gpu_memory_utilization:g}")
-        + (", colocated" if rollout.colocated else f", disaggregated on {rollout.engine_gpus} GPUs")
+        + ", colocated"
     )
     lines.append(
         f"KV cache: {memory.kv_cache_bytes_per_token / 1024:.1f} KiB/token/GPU, {memory.kv_cache_bytes / GIB:.1f} GiB "

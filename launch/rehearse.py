@@ -18,7 +18,7 @@ what this machine cannot hold. Every change is printed first, with its reason, a
   iteration, and the smallest prompt batch the shrunk layout divides;
 - data missing here: GSM8K stand-ins (arithmetic questions written through ``launch.data.gsm8k``,
   so the real converter and the real GSM8K reward run); other missing data is an error;
-- the cluster: one node of the rehearsal's ranks, ``device=cpu``, Ray reward pools of 1 worker,
+- the cluster: one node of the rehearsal's ranks (CPU processes), Ray reward pools of 1 worker,
   weight buckets of 1 MB (so the tiny model also travels in several buckets), a fresh run
   directory under DIR.
 
@@ -206,8 +206,7 @@ def plan_rehearsal(yaml_path: str, base_overrides: Sequence[str], config: Experi
     actor_megatron = arr.actor.megatron
     changes = _Changes(config)
     layout = _shrunk_layout(actor_megatron)
-    tp, pp, vpp = (layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"],
-                   layout["virtual_pipeline_model_parallel_size"])
+    tp, pp = layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"]
     written_world = config.trainer.nnodes * config.trainer.n_gpus_per_node
     written_dp = actor_megatron.layout().data_parallel_size(written_world)
     dp = max(1, min(written_dp, PARALLEL_CAP, max_ranks // (tp * pp)))
@@ -250,7 +249,6 @@ def plan_rehearsal(yaml_path: str, base_overrides: Sequence[str], config: Experi
     # The cluster and the run.
     changes.set("trainer.nnodes", 1, "one machine")
     changes.set("trainer.n_gpus_per_node", world, "CPU ranks of this machine")
-    changes.set("trainer.device", "cpu", "no GPU here")
     changes.set("trainer.total_training_steps", steps, "a rehearsal")
     changes.set("trainer.default_local_dir", str(run_dir), "the rehearsal's own run directory")
     changes.set("trainer.resume_mode", "disable", "a fresh run")

@@ -22,7 +22,9 @@ without a GPU we run the real megatron-core code on CPU tensors by:
    cores compute (16-bit operands, fp32 accumulation, a rounded output); CPUs without AVX-512 BF16
    have no such kernel and torch falls back to a reference loop 50-70x slower than fp32 (measured
    here: 145 ms vs 2.7 ms for a 512x128 @ 128x1024 bf16 product). Patched as functions, so that
-   megatron's linear layers' own backward passes (autograd Functions) take the fast path too.
+   megatron's linear layers' own backward passes (autograd Functions) take the fast path too;
+6. ``torch.compile`` off (``torch._dynamo.config.disable``): megatron's jit fuser would compile for
+   ~16 s on CPU, and dynamo's tracing rules reject the stand-ins of (2) ("Duplicate torch object").
 
 ``activate()`` does nothing when CUDA is available: the GPU path runs megatron-core untouched
 (tests/test_cpu_compat.py proves it). Nothing else in Trident may special-case CPU for
@@ -171,29 +173,29 @@ def _patch(owner: object, name: str, value: Any) -> None:
     setattr(owner, name, value)
 
 
+def _returning(value: Any):
+    """A fresh stand-in function returning ``value``: one object per replaced name, since dynamo's
+    rule table refuses one function object under two torch.cuda names."""
+    def stand_in(*_args: Any, **_kwargs: Any) -> Any:
+        return value() if callable(value) else value
+
+    return stand_in
+
+
 def _cuda_runtime_stand_ins() -> dict[str, Any]:
-    def noop(*_args: Any, **_kwargs: Any) -> None:
-        return None
-
-    def zero(*_args: Any, **_kwargs: Any) -> int:
-        return 0
-
-    def cpu_device(*_args: Any, **_kwargs: Any) -> torch.device:
-        return torch.device("cpu")
-
     return {
         # megatron passes this as a device argument almost everywhere; returning the CPU device
         # (not ordinal 0, which torch reads as cuda:0) keeps it right even where the function
         # mode is not consulted, e.g. inside autograd backward called through the mode.
-        "current_device": cpu_device,
-        "set_device": noop,
-        "synchronize": noop,
-        "empty_cache": noop,
-        "memory_allocated": zero,
-        "max_memory_allocated": zero,
-        "memory_reserved": zero,
-        "reset_peak_memory_stats": noop,
-        "manual_seed": noop,  # megatron seeds its streams through the tracker; CPU seed is ours.
+        "current_device": _returning(lambda: torch.device("cpu")),
+        "set_device": _returning(None),
+        "synchronize": _returning(None),
+        "empty_cache": _returning(None),
+        "memory_allocated": _returning(0),
+        "max_memory_allocated": _returning(0),
+        "memory_reserved": _returning(0),
+        "reset_peak_memory_stats": _returning(None),
+        "manual_seed": _returning(None),  # megatron seeds its streams through the tracker; CPU seed is ours.
     }
 
 
@@ -237,6 +239,9 @@ def activate() -> bool:
     _patch(megatron_random, "_set_cuda_rng_state", lambda state, *_a, **_k: torch.set_rng_state(state))
     _allow_sequence_parallel_torch_norm()
     _fast_half_precision_products()
+    from torch import _dynamo
+
+    _patch(_dynamo.config, "disable", True)
     mode = _CudaToCpuMode()
     mode.__enter__()
     _ACTIVE = mode

@@ -23,6 +23,17 @@ class ParallelLayout:
     expert_model_parallel_size: int = 1
     sequence_parallel: bool = False
 
+    def describe(self) -> str:
+        """``tp2,pp2,vpp2,sp``-style summary for messages."""
+        parts = [f"tp{self.tensor_model_parallel_size}", f"pp{self.pipeline_model_parallel_size}"]
+        if self.virtual_pipeline_model_parallel_size:
+            parts.append(f"vpp{self.virtual_pipeline_model_parallel_size}")
+        if self.context_parallel_size > 1:
+            parts.append(f"cp{self.context_parallel_size}")
+        if self.expert_model_parallel_size > 1:
+            parts.append(f"ep{self.expert_model_parallel_size}")
+        return ",".join(parts) + (",sp" if self.sequence_parallel else "")
+
     @property
     def model_parallel_size(self) -> int:
         """Ranks that together hold one full copy of the model (tp * pp * cp)."""

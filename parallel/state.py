@@ -29,11 +29,6 @@ def backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def ranks_per_node() -> int:
-    """Ranks on each node: torchrun's LOCAL_WORLD_SIZE (the whole world without torchrun)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-
-
 def init_distributed(timeout_minutes: int = 30) -> None:
     """Start the default process group from the torchrun environment (a world of 1 without it)."""
     if dist.is_initialized():

@@ -22,15 +22,18 @@ requires_sglang = pytest.mark.skipif(
 SGLANG_MARKS = [pytest.mark.sglang, pytest.mark.slow, requires_sglang]
 
 
-def start_cpu_sglang(model_path: Path | str, run_dir: Path | str, **overrides):
+def start_cpu_sglang(model_path: Path | str, run_dir: Path | str, rollout: dict | None = None, **launch):
     """A real SGLang engine on CPU with the test settings: fp32, a small memory fraction, a long
-    start-up allowance, and one OpenMP thread (two shared cores; the server inherits the env)."""
+    start-up allowance, and one OpenMP thread (two shared cores; the server inherits the env).
+    ``rollout``: more ``RolloutConfig`` fields; ``launch``: ``SGLangRolloutConfig`` fields."""
+    from engine.config import RolloutConfig
     from engine.rollout import create_rollout_engine
 
-    settings = {"gpu_memory_utilization": 0.05, "dtype": "float32", "startup_timeout_s": 600, **overrides}
+    settings = RolloutConfig(name="sglang", gpu_memory_utilization=0.05, dtype="float32", startup_timeout_s=600,
+                             **(rollout or {}))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OMP_NUM_THREADS", "1")
-        return create_rollout_engine("sglang", model_path=str(model_path), run_dir=str(run_dir), **settings)
+        return create_rollout_engine(settings, str(model_path), run_dir=str(run_dir), **launch)
 
 
 @dataclasses.dataclass

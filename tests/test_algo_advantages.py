@@ -4,13 +4,14 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from engine.algo.advantages import (
-    AdvantageConfig,
+    GRPO_EPSILON,
     AdvantageInputs,
     compute_advantages,
     compute_gae,
     group_index_from_uids,
 )
 from engine.algo.stats import masked_whiten
+from engine.config import AlgorithmConfig
 from tests import algo_reference as ref
 
 PROPERTY = settings(max_examples=25, deadline=None)
@@ -28,13 +29,13 @@ def _inputs(batch: dict, group_size: int = 4) -> AdvantageInputs:
     )
 
 
-def _expected(name: str, inputs: AdvantageInputs, config: AdvantageConfig):
+def _expected(name: str, inputs: AdvantageInputs, config: AlgorithmConfig):
     rewards, mask = inputs.token_level_rewards, inputs.response_mask
     if name == "gae":
         advantages, returns = ref.reference_gae(rewards, inputs.values, mask, config.gamma, config.lam)
         return ref.reference_whiten(advantages, mask), returns
     if name == "grpo":
-        advantages = ref.reference_grpo(rewards, mask, inputs.group_index, config.norm_adv_by_std_in_grpo, config.epsilon)
+        advantages = ref.reference_grpo(rewards, mask, inputs.group_index, config.norm_adv_by_std_in_grpo, GRPO_EPSILON)
         return advantages, advantages
     if name == "rloo":
         advantages = ref.reference_rloo(rewards, mask, inputs.group_index)
@@ -51,7 +52,7 @@ def _expected(name: str, inputs: AdvantageInputs, config: AdvantageConfig):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_estimator_matches_loop_reference(name, seed):
     inputs = _inputs(ref.ragged_batch(12, 9, seed))
-    config = AdvantageConfig(adv_estimator=name, gamma=0.97, lam=0.9)
+    config = AlgorithmConfig(adv_estimator=name, gamma=0.97, lam=0.9)
     output = compute_advantages(inputs, config)
     expected_advantages, expected_returns = _expected(name, inputs, config)
     torch.testing.assert_close(output.advantages, expected_advantages, rtol=1e-10, atol=1e-10)
@@ -64,11 +65,11 @@ def test_dr_grpo_and_ragged_groups_match_reference():
     group_index = torch.tensor([5, 9, 5, 2, 2, 7, 2, 5, 7, 2])
     inputs = AdvantageInputs(batch["token_level_rewards"], batch["response_mask"], group_index=group_index)
     for norm in (True, False):
-        output = compute_advantages(inputs, AdvantageConfig(adv_estimator="grpo", norm_adv_by_std_in_grpo=norm))
+        output = compute_advantages(inputs, AlgorithmConfig(adv_estimator="grpo", norm_adv_by_std_in_grpo=norm))
         expected = ref.reference_grpo(batch["token_level_rewards"], batch["response_mask"], group_index, norm, 1e-6)
         torch.testing.assert_close(output.advantages, expected, rtol=1e-10, atol=1e-10)
     assert torch.all(output.advantages[1] == 0)
-    rloo = compute_advantages(inputs, AdvantageConfig(adv_estimator="rloo")).advantages
+    rloo = compute_advantages(inputs, AlgorithmConfig(adv_estimator="rloo")).advantages
     torch.testing.assert_close(rloo, ref.reference_rloo(batch["token_level_rewards"], batch["response_mask"], group_index))
 
 
@@ -89,7 +90,7 @@ def test_bad_group_index_is_named():
     batch = ref.ragged_batch(4, 3, seed=0)
     inputs = AdvantageInputs(batch["token_level_rewards"], batch["response_mask"], group_index=torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="group_index"):
-        compute_advantages(inputs, AdvantageConfig(adv_estimator="grpo"))
+        compute_advantages(inputs, AlgorithmConfig(adv_estimator="grpo"))
 
 
 # --- Properties ------------------------------------------------------------------------------
@@ -103,7 +104,7 @@ def test_padding_and_masked_tokens_never_change_advantages(shape, name, extra_co
     batch_size, response_len, seed = shape
     batch = ref.ragged_batch(batch_size * 2, response_len, seed)
     inputs = _inputs(batch, group_size=2)
-    config = AdvantageConfig(adv_estimator=name, gamma=0.95, lam=0.8)
+    config = AlgorithmConfig(adv_estimator=name, gamma=0.95, lam=0.8)
     if int(inputs.response_mask.sum()) < 2:
         return  # whitening needs two tokens
     reference = compute_advantages(inputs, config)
@@ -146,7 +147,7 @@ def test_grpo_advantages_sum_to_zero_within_each_group(shape, group_size, norm):
     batch = ref.ragged_batch(batch_size * group_size, response_len, seed)
     group_index = torch.randperm(batch_size * group_size, generator=torch.Generator().manual_seed(seed)) % batch_size
     inputs = AdvantageInputs(batch["token_level_rewards"], batch["response_mask"], group_index=group_index)
-    advantages = compute_advantages(inputs, AdvantageConfig(adv_estimator="grpo", norm_adv_by_std_in_grpo=norm)).advantages
+    advantages = compute_advantages(inputs, AlgorithmConfig(adv_estimator="grpo", norm_adv_by_std_in_grpo=norm)).advantages
     per_sequence = advantages.sum(-1) / batch["response_mask"].sum(-1)
     for group in range(batch_size):
         assert abs(float(per_sequence[group_index == group].sum())) < 1e-9

@@ -8,9 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from engine.algo import registry
 from engine.algo.losses import (
-    ActorLossConfig,
     LossScale,
-    PolicyLossConfig,
     aggregate_loss,
     compute_actor_loss,
     compute_policy_loss,
@@ -18,6 +16,7 @@ from engine.algo.losses import (
     count_tokens_and_sequences,
     explained_variance,
 )
+from engine.config import ActorConfig, PolicyLossConfig
 from tests import algo_reference as ref
 
 AGG_MODES = registry.names("loss_agg_mode")
@@ -53,7 +52,7 @@ def test_vanilla_ppo_matches_reference(clip, mode):
     batch = ref.ragged_batch(8, 10, seed=13)
     # Large ratios so clipping and dual-clip happen.
     batch["log_probs"] = batch["old_log_probs"] + 1.5 * (batch["log_probs"] - batch["old_log_probs"]) * 3
-    config = PolicyLossConfig(clip_ratio=clip_ratio, clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=clip_c, loss_agg_mode=mode)
+    config = ActorConfig(clip_ratio=clip_ratio, clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=clip_c, loss_agg_mode=mode)
     mask = batch["response_mask"]
     out = compute_policy_loss(batch["old_log_probs"], batch["log_probs"], batch["advantages"], mask, config, _scale(mask))
 
@@ -85,7 +84,8 @@ def test_gspo_matches_sequence_level_objective_and_gradient():
     advantage_per_sequence = batch["advantages"][:, 0]
     advantages = advantage_per_sequence.unsqueeze(-1).expand_as(mask).clone()
     log_probs = (batch["old_log_probs"] + 0.01 * batch["log_probs"]).requires_grad_(True)
-    config = PolicyLossConfig(loss_mode="gspo", clip_ratio_low=3e-3, clip_ratio_high=4e-3, loss_agg_mode="seq-mean-token-mean")
+    config = ActorConfig(policy_loss=PolicyLossConfig(loss_mode="gspo"), clip_ratio_low=3e-3, clip_ratio_high=4e-3,
+                         loss_agg_mode="seq-mean-token-mean")
     out = compute_policy_loss(batch["old_log_probs"], log_probs, advantages, mask, config, _scale(mask))
 
     # Reference: J = (1/G) sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i) with
@@ -150,10 +150,8 @@ def test_actor_loss_combines_terms():
     batch = ref.ragged_batch(6, 8, seed=29)
     mask = batch["response_mask"]
     scale = _scale(mask)
-    config = ActorLossConfig(
-        policy=PolicyLossConfig(loss_agg_mode="seq-mean-token-mean"), entropy_coeff=0.01,
-        use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl",
-    )
+    config = ActorConfig(loss_agg_mode="seq-mean-token-mean", entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
+                         kl_loss_type="low_var_kl")
     args = (batch["old_log_probs"], batch["log_probs"], batch["advantages"], mask)
     out = compute_actor_loss(*args, config, scale, entropy=batch["entropy"], ref_log_probs=batch["ref_log_probs"])
     kl_rows = [{t: ref.reference_kl(float(batch["log_probs"][i, t]), float(batch["ref_log_probs"][i, t]), "k3")
@@ -161,7 +159,7 @@ def test_actor_loss_combines_terms():
     n_tokens = float(mask.sum())
     kl_loss = ref.reference_aggregate(kl_rows, "seq-mean-token-mean", n_tokens, 6)
     entropy = ref.reference_aggregate(_rows(batch["entropy"], mask), "seq-mean-token-mean", n_tokens, 6)
-    pg_loss = float(compute_policy_loss(*args, config.policy, scale).loss)
+    pg_loss = float(compute_policy_loss(*args, config, scale).loss)
     assert float(out.metrics["kl_loss"]) == pytest.approx(kl_loss, rel=1e-12)
     assert float(out.metrics["entropy"]) == pytest.approx(entropy, rel=1e-12)
     assert float(out.loss) == pytest.approx(pg_loss - 0.01 * entropy + 0.1 * kl_loss, rel=1e-12)
@@ -173,14 +171,12 @@ def test_actor_loss_combines_terms():
 
 def test_bad_inputs_are_named():
     mask = torch.ones(2, 3)
-    with pytest.raises(ValueError, match="clip_ratio_c"):
-        PolicyLossConfig(clip_ratio_c=1.0)
     with pytest.raises(ValueError, match="max_response_length"):
         aggregate_loss(torch.ones(2, 3), mask, "seq-mean-token-sum-norm", LossScale(6, 2))
     with pytest.raises(ValueError, match="global_num_tokens"):
         LossScale.from_response_masks([torch.zeros(2, 3)])
     with pytest.raises(ValueError, match="response_len"):
-        compute_policy_loss(torch.zeros(2, 3), torch.zeros(2, 4), torch.zeros(2, 3), mask, PolicyLossConfig(), LossScale(6, 2))
+        compute_policy_loss(torch.zeros(2, 3), torch.zeros(2, 4), torch.zeros(2, 3), mask, ActorConfig(), LossScale(6, 2))
 
 
 # --- Properties ------------------------------------------------------------------------------
@@ -194,7 +190,8 @@ def test_first_ppo_step_has_zero_kl_and_clipfrac(shape, loss_mode, mode):
     batch = ref.ragged_batch(*shape, dtype=torch.float32)
     mask = batch["response_mask"]
     log_probs = batch["old_log_probs"].clone()
-    config = PolicyLossConfig(loss_mode=loss_mode, loss_agg_mode=mode, clip_ratio_low=1e-4, clip_ratio_high=1e-4)
+    config = ActorConfig(policy_loss=PolicyLossConfig(loss_mode=loss_mode), loss_agg_mode=mode, clip_ratio_low=1e-4,
+                         clip_ratio_high=1e-4)
     out = compute_policy_loss(batch["old_log_probs"], log_probs, batch["advantages"], mask, config, _scale(mask))
     assert out.metrics["ppo_kl"].item() == 0.0
     assert out.metrics["pg_clipfrac"].item() == 0.0
@@ -220,7 +217,8 @@ def test_padding_and_masked_tokens_never_change_losses(shape, mode, extra_column
         scale = _scale(m)
         results = {}
         for loss_mode in ("vanilla", "gspo"):
-            config = ActorLossConfig(PolicyLossConfig(loss_mode=loss_mode, loss_agg_mode=mode), 0.01, True, 0.1, "k3+")
+            config = ActorConfig(policy_loss=PolicyLossConfig(loss_mode=loss_mode), loss_agg_mode=mode, entropy_coeff=0.01,
+                                 use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3+")
             out = compute_actor_loss(b["old_log_probs"], b["log_probs"], b["advantages"], m, config, scale,
                                      entropy=b["entropy"], ref_log_probs=b["ref_log_probs"])
             results.update({f"{loss_mode}/{k}": v for k, v in out.metrics.items()}, **{loss_mode: out.loss})
@@ -261,7 +259,8 @@ def test_micro_batch_split_gives_same_loss_and_gradient(mode):
         totals: dict[str, torch.Tensor] = {}
         for micro in micro_batches:
             for loss_mode in ("vanilla", "gspo"):
-                config = ActorLossConfig(PolicyLossConfig(loss_mode=loss_mode, loss_agg_mode=mode), 0.01, True, 0.1, "low_var_kl")
+                config = ActorConfig(policy_loss=PolicyLossConfig(loss_mode=loss_mode), loss_agg_mode=mode,
+                                     entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl")
                 out = compute_actor_loss(micro["old_log_probs"], micro["log_probs"], micro["advantages"], micro["response_mask"],
                                          config, scale, entropy=micro["entropy"], ref_log_probs=micro["ref_log_probs"])
                 value = compute_value_loss(micro["values"], micro["old_values"], micro["returns"], micro["response_mask"], 0.3, mode, scale)

@@ -3,9 +3,10 @@ import pytest
 import torch
 
 from engine.algo import registry
-from engine.algo.advantages import AdvantageConfig, AdvantageInputs, compute_advantages
-from engine.algo.kl import KLControllerConfig, kl_divergence
-from engine.algo.losses import ActorLossConfig, PolicyLossConfig
+from engine.algo.advantages import AdvantageInputs, compute_advantages
+from engine.algo.kl import build_kl_controller, kl_divergence
+from engine.algo.losses import LossScale, compute_actor_loss
+from engine.config import ActorConfig, AlgorithmConfig, KLControlConfig, PolicyLossConfig
 
 EXPECTED = {
     "adv_estimator": {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"},
@@ -41,13 +42,20 @@ def test_unknown_kind_is_rejected():
         registry.names("optimizer")
 
 
-def test_configs_and_entry_points_reject_unknown_names_early():
+def test_entry_points_reject_unknown_names_naming_the_key():
+    # (The config check refuses them before any model is built: tests/test_config_errors.py.)
+    inputs = AdvantageInputs(torch.zeros(2, 3), torch.ones(2, 3))
+    args = (torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3))
+
+    def actor_loss(**settings):
+        return compute_actor_loss(*args, ActorConfig(**settings), LossScale(6, 2), ref_log_probs=torch.zeros(2, 3))
+
     cases = [
-        (lambda: AdvantageConfig(adv_estimator="gea"), "algorithm.adv_estimator"),
-        (lambda: PolicyLossConfig(loss_mode="ppo2"), "policy_loss.loss_mode"),
-        (lambda: PolicyLossConfig(loss_agg_mode="mean"), "loss_agg_mode"),
-        (lambda: ActorLossConfig(kl_loss_type="k4"), "actor_rollout_ref.actor.kl_loss_type"),
-        (lambda: KLControllerConfig(type="pid"), "algorithm.kl_ctrl.type"),
+        (lambda: compute_advantages(inputs, AlgorithmConfig(adv_estimator="gea")), "algorithm.adv_estimator"),
+        (lambda: actor_loss(policy_loss=PolicyLossConfig(loss_mode="ppo2")), "policy_loss.loss_mode"),
+        (lambda: actor_loss(loss_agg_mode="mean"), "loss_agg_mode"),
+        (lambda: actor_loss(use_kl_loss=True, kl_loss_type="k4"), "actor_rollout_ref.actor.kl_loss_type"),
+        (lambda: build_kl_controller(KLControlConfig(type="pid")), "algorithm.kl_ctrl.type"),
     ]
     for build, key in cases:
         with pytest.raises(registry.UnknownNameError, match=key):
@@ -60,7 +68,7 @@ def test_missing_estimator_input_names_the_field():
     inputs = AdvantageInputs(torch.zeros(2, 3), torch.ones(2, 3))
     for estimator, field in (("gae", "values"), ("grpo", "group_index"), ("remax", "baseline_scores")):
         with pytest.raises(ValueError, match=f"{estimator}.*AdvantageInputs.{field}"):
-            compute_advantages(inputs, AdvantageConfig(adv_estimator=estimator))
+            compute_advantages(inputs, AlgorithmConfig(adv_estimator=estimator))
 
 
 def test_register_refuses_a_second_implementation_for_a_name():

@@ -9,8 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from engine.data import (DataConfig, PromptDataLoader, PromptDataset, PromptSampler, PromptSchemaError,
-                         make_prompt_row, read_prompt_file, write_prompt_parquet)
+from engine.config import DataConfig
+from engine.data import (PromptDataLoader, PromptDataset, PromptSampler, PromptSchemaError, make_prompt_row,
+                         read_prompt_file, write_prompt_parquet)
 from tests.test_data_tokenizer import build_chat_tokenizer
 
 
@@ -143,9 +144,15 @@ def test_everything_filtered_is_an_error(tmp_path):
         PromptDataset(path, build_chat_tokenizer(), max_prompt_length=2, filter_overlong_prompts=True)
 
 
-def test_config_rejects_unknown_truncation():
-    with pytest.raises(ValueError, match="data.truncation='middle'"):
-        DataConfig(truncation="middle")
+def test_prompt_key_names_the_column(tmp_path):
+    rows = [{("messages" if key == "prompt" else key): value for key, value in row.items()} for row in _rows(QUESTIONS)]
+    path = tmp_path / "renamed.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(PromptSchemaError, match=r"key 'prompt'.*missing column \(data.prompt_key\)"):
+        read_prompt_file(path)
+    config = DataConfig(train_files=[str(path)], prompt_key="messages", train_batch_size=2, max_prompt_length=512)
+    dataset = PromptDataset.from_config(config, build_chat_tokenizer())
+    assert len(dataset) == len(QUESTIONS) and dataset[0].record.messages[0]["content"] == QUESTIONS[0]
 
 
 # ---------------------------------------------------------------- sampler
@@ -235,7 +242,7 @@ def test_loader_left_pads_and_carries_metadata(tmp_path):
     tokenizer = build_chat_tokenizer()
     rows = _rows(QUESTIONS + ["extra one?"])
     path = _write(tmp_path / "train.parquet", rows)
-    config = DataConfig(train_files=path, train_batch_size=4, max_prompt_length=512, seed=7)
+    config = DataConfig(train_files=[str(path)], train_batch_size=4, max_prompt_length=512, seed=7)
     dataset = PromptDataset.from_config(config, tokenizer)
     loader = PromptDataLoader.for_training(dataset, config, data_parallel_rank=1, data_parallel_size=2)
     batch = next(iter(loader))
@@ -263,7 +270,7 @@ def test_loader_left_pads_and_carries_metadata(tmp_path):
 
 def test_prompt_uids_are_unique_across_epochs(tmp_path):
     path = _write(tmp_path / "train.parquet", _rows(QUESTIONS + ["sixth?"]))
-    config = DataConfig(train_files=path, train_batch_size=3, max_prompt_length=512)
+    config = DataConfig(train_files=[str(path)], train_batch_size=3, max_prompt_length=512)
     loader = PromptDataLoader.for_training(PromptDataset.from_config(config, build_chat_tokenizer()), config)
     uids = [uid for _ in range(3) for batch in loader for uid in batch.prompt_uids.tolist()]
     assert len(uids) == 18 and len(set(uids)) == 18
@@ -272,7 +279,7 @@ def test_prompt_uids_are_unique_across_epochs(tmp_path):
 def test_validation_loader_covers_every_prompt_once_with_uneven_ranks(tmp_path):
     questions = [f"question {i}?" for i in range(7)]
     path = _write(tmp_path / "val.parquet", _rows(questions))
-    config = DataConfig(val_files=path, val_batch_size=4, max_prompt_length=512)
+    config = DataConfig(val_files=[str(path)], val_batch_size=4, max_prompt_length=512)
     dataset = PromptDataset.from_config(config, build_chat_tokenizer(), split="val")
     seen = []
     for rank in range(3):

@@ -6,8 +6,9 @@ import textwrap
 import pytest
 import torch
 
-from engine.rewards import (CustomRewardFunctionConfig, RewardConfig, RewardManager, decode_responses,
-                            default_compute_score, load_custom_reward_function, token_level_scores)
+from engine.rewards import (CustomRewardFunctionConfig, RewardConfig, RewardFunctionError, RewardManager,
+                            decode_responses, default_compute_score, load_custom_reward_function,
+                            token_level_scores)
 from engine.rewards.gsm8k import compute_score as gsm8k_score
 from engine.rewards.gsm8k import extract_final_answer
 from tests.test_data_tokenizer import build_chat_tokenizer
@@ -85,6 +86,34 @@ def test_user_function_from_file_with_extras_and_errors_counted(tmp_path):
     assert result.metrics["reward/length/mean"] == pytest.approx(7 / 3)
     assert result.metrics["reward/correct/mean"] == pytest.approx(2 / 3)  # bools are numbers
     assert "reward/source/mean" not in result.metrics
+
+
+def test_a_reward_function_that_keeps_failing_stops_the_run(tmp_path):
+    path = _write_reward_file(tmp_path, USER_REWARD)
+    config = RewardConfig(custom_reward_function=CustomRewardFunctionConfig(path=path), max_failed_fraction=0.5,
+                          max_failed_steps=3)
+    manager = RewardManager(config)
+    failing = ["boom", "nan", "42", "41"]  # 2 of 4 fail: at the threshold
+    healthy = ["boom", "42", "42", "41"]  # 1 of 4: the odd bad sample resets the count
+
+    def step(responses):
+        result = manager.score(responses, ["mine"] * 4, ["42"] * 4)
+        manager.check_training_step(result, ["mine"] * 4)
+
+    step(failing)
+    step(failing)
+    step(healthy)
+    step(failing)
+    step(failing)
+    with pytest.raises(RewardFunctionError) as error:
+        step(failing)
+    message = str(error.value)
+    assert "failed on 2 of 4 responses" in message and "last 3 steps" in message
+    assert "reward_model.max_failed_steps=3" in message and "RuntimeError: user bug" in message
+    never = RewardManager(RewardConfig(custom_reward_function=CustomRewardFunctionConfig(path=path),
+                                       max_failed_steps=0))
+    for _ in range(5):
+        never.check_training_step(never.score(failing, ["mine"] * 4, ["42"] * 4), ["mine"] * 4)
 
 
 def test_user_function_by_name(tmp_path):

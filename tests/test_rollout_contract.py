@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from engine.config import RolloutConfig
 from engine.rollout import RolloutError, SamplingParams, WeightUpdateError, create_rollout_engine
 from engine.rollout.torch_engine import keep_mask_top_k_top_p
 from tests.rollout_support import (
@@ -35,7 +36,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module", params=["torch", pytest.param("sglang", marks=SGLANG_MARKS)])
 def engine(request, tiny, tmp_path_factory):
     if request.param == "torch":
-        rollout = create_rollout_engine("torch", model_path=str(tiny.path), max_batch_size=8)
+        rollout = create_rollout_engine(RolloutConfig(name="torch", dtype="float32"), str(tiny.path), max_batch_size=8)
     else:
         rollout = start_cpu_sglang(tiny.path, tmp_path_factory.mktemp("sglang_run"), max_concurrent_requests=16)
     yield rollout

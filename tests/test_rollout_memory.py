@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 
+from engine.config import RolloutConfig
 from engine.rollout import RolloutError, SamplingParams, WeightUpdateError, create_rollout_engine
 from engine.rollout.base import KV_CACHE, WEIGHTS
 from tests.distributed import REPO_ROOT
@@ -63,7 +64,7 @@ print("RELEASE-RESUME-OK")
 def check_release_and_resume(path, weights) -> None:
     weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     assert weight_bytes > 200 * MIB
-    engine = create_rollout_engine("torch", model_path=str(path), dtype="float32")
+    engine = create_rollout_engine(RolloutConfig(name="torch", dtype="float32"), str(path))
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     expected = engine.generate([[5, 6, 7]], params)
     assert engine.resident_weight_bytes() == weight_bytes
@@ -89,7 +90,7 @@ def check_release_and_resume(path, weights) -> None:
 
 
 def test_memory_tags_are_checked(large_model):
-    engine = create_rollout_engine("torch", model_path=str(large_model[0]), dtype="float32")
+    engine = create_rollout_engine(RolloutConfig(name="torch", dtype="float32"), str(large_model[0]))
     with pytest.raises(ValueError, match="memory tags"):
         engine.release_memory(["optimizer"])
     engine.release_memory([KV_CACHE])  # the cache alone: the weights stay

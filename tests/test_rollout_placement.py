@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import ConfigError, load_config
+from engine.config import ConfigError, RolloutConfig, load_config
 from engine.rollout import sglang_server
 from engine.rollout.base import RolloutError
 from engine.rollout.sglang_engine import SGLangRolloutConfig
@@ -30,7 +30,7 @@ def server_commands(layout: HybridLayout, gpus_per_node: int, monkeypatch, tmp_p
     for placement in layout.replica_placements(gpus_per_node):
         server = SGLangServer(SGLangServerConfig(
             model_path=str(tmp_path), log_path=tmp_path / "log", gpu_ids=placement.local_devices,
-            tensor_model_parallel_size=layout.generation.tensor_model_parallel_size, enable_memory_saver=True))
+            rollout=RolloutConfig(tensor_model_parallel_size=layout.generation.tensor_model_parallel_size)))
         commands.append((placement.node, *server.command()))
     return commands
 
@@ -103,6 +103,8 @@ def test_gpu_ids_map_through_the_launchers_own_binding():
 
 def test_engine_config_refuses_shared_or_short_gpu_lists():
     with pytest.raises(ValueError, match="two servers"):
-        SGLangRolloutConfig(model_path="m", run_dir="r", tensor_model_parallel_size=2, replica_gpus=((0, 1), (1, 2)))
-    with pytest.raises(ValueError, match="must hold tensor_model_parallel_size=2"):
-        SGLangRolloutConfig(model_path="m", run_dir="r", tensor_model_parallel_size=2, replica_gpus=((0,),))
+        SGLangRolloutConfig(model_path="m", run_dir="r", rollout=RolloutConfig(tensor_model_parallel_size=2),
+                            replica_gpus=((0, 1), (1, 2)))
+    with pytest.raises(ValueError, match="must hold rollout.tensor_model_parallel_size=2"):
+        SGLangRolloutConfig(model_path="m", run_dir="r", rollout=RolloutConfig(tensor_model_parallel_size=2),
+                            replica_gpus=((0,),))

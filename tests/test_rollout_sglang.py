@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from engine.rollout import SamplingParams, WeightUpdateError
+from engine.config import RolloutConfig
 from engine.rollout.sglang_server import SGLangServer, SGLangServerConfig, SGLangServerCrashed, live_processes_in_group
 from tests.rollout_support import PROMPTS, SGLANG_MARKS, build_tiny_model, start_cpu_sglang, random_llama, reference_log_probs, teacher_forced_logits
 
@@ -27,7 +28,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny, tmp_path_factory):
-    rollout = start_cpu_sglang(tiny.path, tmp_path_factory.mktemp("sglang_run"), weight_update_timeout_s=60)
+    rollout = start_cpu_sglang(tiny.path, tmp_path_factory.mktemp("sglang_run"), rollout={"weight_update_timeout_s": 60})
     yield rollout
     rollout.shutdown()
 
@@ -74,7 +75,8 @@ def test_rejected_distributed_update_raises_instead_of_hanging(engine, tiny):
 
 def test_server_that_fails_to_start_is_reported_with_its_log(tiny, tmp_path):
     server = SGLangServer(
-        SGLangServerConfig(model_path=str(tiny.path), log_path=tmp_path / "bad.log", extra_args=("--no-such-flag",), startup_timeout_s=120)
+        SGLangServerConfig(model_path=str(tiny.path), log_path=tmp_path / "bad.log", extra_args=("--no-such-flag",),
+                           rollout=RolloutConfig(startup_timeout_s=120))
     )
     server.start()
     with pytest.raises(SGLangServerCrashed, match="bad.log") as error:

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from engine.config import RolloutConfig
 from engine.rollout import SamplingParams, create_rollout_engine, iter_weight_buckets
 from engine.rollout.sglang_cpu import CPU_STANDINS_DIR
 from engine.rollout.torch_engine import keep_mask_top_k_top_p
@@ -78,9 +79,9 @@ def test_top_k_top_p_mask_matches_a_per_token_reference(top_k, top_p):
 
 def test_factory_rejects_unknown_engines_and_settings():
     with pytest.raises(ValueError, match="vllm"):
-        create_rollout_engine("vllm", model_path="x")
-    with pytest.raises(TypeError, match="TorchRolloutConfig"):
-        create_rollout_engine("torch", model_path="x", tensor_parallel=2)
+        create_rollout_engine(RolloutConfig(name="vllm"), "x")
+    with pytest.raises(TypeError, match="'torch' rollout engine"):
+        create_rollout_engine(RolloutConfig(name="torch"), "x", tensor_parallel=2)
 
 
 def test_sglang_server_command_adds_cpu_flags_only_without_gpu(monkeypatch, tmp_path):
@@ -89,7 +90,8 @@ def test_sglang_server_command_adds_cpu_flags_only_without_gpu(monkeypatch, tmp_
 
     monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
     monkeypatch.delenv("PYTHONPATH", raising=False)
-    server = SGLangServer(SGLangServerConfig(model_path=str(tmp_path), log_path=tmp_path / "log", gpu_memory_utilization=0.7))
+    server = SGLangServer(SGLangServerConfig(model_path=str(tmp_path), log_path=tmp_path / "log",
+                                             rollout=RolloutConfig(gpu_memory_utilization=0.7)))
     monkeypatch.setattr(sglang_server, "needs_cpu_adaptation", lambda: False)
     gpu_args, gpu_env = server.command()
     monkeypatch.setattr(sglang_server, "needs_cpu_adaptation", lambda: True)

@@ -4,7 +4,6 @@ policy/value/entropy losses and their micro-batch-invariant aggregation.
 Config-selectable parts are looked up by name in :mod:`engine.algo.registry`.
 """
 from engine.algo.advantages import (
-    AdvantageConfig,
     AdvantageInputs,
     AdvantageOutput,
     compute_advantages,
@@ -22,16 +21,13 @@ from engine.algo.advantages import (
 from engine.algo.kl import (
     AdaptiveKLController,
     FixedKLController,
-    KLControllerConfig,
     apply_kl_penalty,
     build_kl_controller,
     kl_divergence,
 )
 from engine.algo.losses import (
-    ActorLossConfig,
     LossOutput,
     LossScale,
-    PolicyLossConfig,
     aggregate_loss,
     compute_actor_loss,
     aggregate_entropy,
@@ -45,16 +41,12 @@ from engine.algo.registry import UnknownNameError
 from engine.algo.stats import masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
-    "ActorLossConfig",
     "AdaptiveKLController",
-    "AdvantageConfig",
     "AdvantageInputs",
     "AdvantageOutput",
     "FixedKLController",
-    "KLControllerConfig",
     "LossOutput",
     "LossScale",
-    "PolicyLossConfig",
     "UnknownNameError",
     "aggregate_loss",
     "apply_kl_penalty",

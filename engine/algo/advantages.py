@@ -20,33 +20,12 @@ from typing import Hashable, Sequence
 import torch
 
 from engine.algo import registry
+from engine.config.algorithm import AlgorithmConfig
 from engine.algo.stats import masked_sum, masked_whiten
 
 
-@dataclass(frozen=True)
-class AdvantageConfig:
-    """``algorithm.*`` settings of the advantage estimators.
-
-    Attributes:
-        adv_estimator: one of ``registry.names("adv_estimator")``.
-        gamma: discount factor (GAE, REINFORCE++, ReMax).
-        lam: GAE's lambda.
-        norm_adv_by_std_in_grpo: GRPO divides by the group std; False gives Dr.GRPO.
-        epsilon: added to the group std before dividing (GRPO).
-    """
-
-    adv_estimator: str = "gae"
-    gamma: float = 1.0
-    lam: float = 1.0
-    norm_adv_by_std_in_grpo: bool = True
-    epsilon: float = 1e-6
-
-    def __post_init__(self) -> None:
-        registry.get("adv_estimator", self.adv_estimator)
-        for key in ("gamma", "lam"):
-            value = getattr(self, key)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"algorithm.{key} must be in [0, 1], got {value}")
+# Added to the group std before dividing (GRPO), so a group of equal scores gets advantage 0.
+GRPO_EPSILON = 1e-6
 
 
 @dataclass
@@ -77,8 +56,9 @@ class AdvantageOutput:
     returns: torch.Tensor
 
 
-def compute_advantages(inputs: AdvantageInputs, config: AdvantageConfig) -> AdvantageOutput:
-    """Advantages and returns of the estimator named by ``config.adv_estimator``."""
+def compute_advantages(inputs: AdvantageInputs, config: AlgorithmConfig) -> AdvantageOutput:
+    """Advantages and returns of the estimator named by ``config.adv_estimator`` (``algorithm.*``:
+    ``gamma``, ``lam``, ``norm_adv_by_std_in_grpo``)."""
     if inputs.token_level_rewards.shape != inputs.response_mask.shape or inputs.token_level_rewards.dim() != 2:
         raise ValueError(
             f"token_level_rewards {tuple(inputs.token_level_rewards.shape)} and response_mask "
@@ -176,7 +156,7 @@ def compute_grpo_advantages(
     response_mask: torch.Tensor,
     group_index: torch.Tensor,
     norm_adv_by_std: bool = True,
-    epsilon: float = 1e-6,
+    epsilon: float = GRPO_EPSILON,
 ) -> torch.Tensor:
     """GRPO (Shao et al. 2024): ``A_i = (s_i - mean_g(s)) / (std_g(s) + eps)`` on every token.
 
@@ -241,7 +221,7 @@ def compute_remax_advantages(
 
 
 @registry.register("adv_estimator", "gae")
-def _gae(inputs: AdvantageInputs, config: AdvantageConfig) -> AdvantageOutput:
+def _gae(inputs: AdvantageInputs, config: AlgorithmConfig) -> AdvantageOutput:
     values = _require(inputs, "values", "gae", "critic values")
     advantages, returns = compute_gae(inputs.token_level_rewards, values, inputs.response_mask, config.gamma, config.lam)
     # The batch-whitened advantages feed the policy; the raw lambda-returns the critic.
@@ -249,23 +229,23 @@ def _gae(inputs: AdvantageInputs, config: AdvantageConfig) -> AdvantageOutput:
 
 
 @registry.register("adv_estimator", "grpo")
-def _grpo(inputs: AdvantageInputs, config: AdvantageConfig) -> AdvantageOutput:
+def _grpo(inputs: AdvantageInputs, config: AlgorithmConfig) -> AdvantageOutput:
     group_index = _require(inputs, "group_index", "grpo", "one prompt id per sequence")
     advantages = compute_grpo_advantages(
-        inputs.token_level_rewards, inputs.response_mask, group_index, config.norm_adv_by_std_in_grpo, config.epsilon
+        inputs.token_level_rewards, inputs.response_mask, group_index, config.norm_adv_by_std_in_grpo, GRPO_EPSILON
     )
     return AdvantageOutput(advantages, advantages)
 
 
 @registry.register("adv_estimator", "rloo")
-def _rloo(inputs: AdvantageInputs, config: AdvantageConfig) -> AdvantageOutput:
+def _rloo(inputs: AdvantageInputs, config: AlgorithmConfig) -> AdvantageOutput:
     group_index = _require(inputs, "group_index", "rloo", "one prompt id per sequence")
     advantages = compute_rloo_advantages(inputs.token_level_rewards, inputs.response_mask, group_index)
     return AdvantageOutput(advantages, advantages)
 
 
 @registry.register("adv_estimator", "reinforce_plus_plus")
-def _reinforce_plus_plus(inputs: AdvantageInputs, config: AdvantageConfig) -> AdvantageOutput:
+def _reinforce_plus_plus(inputs: AdvantageInputs, config: AlgorithmConfig) -> AdvantageOutput:
     advantages, returns = compute_reinforce_plus_plus_advantages(
         inputs.token_level_rewards, inputs.response_mask, config.gamma
     )
@@ -273,7 +253,7 @@ def _reinforce_plus_plus(inputs: AdvantageInputs, config: AdvantageConfig) -> Ad
 
 
 @registry.register("adv_estimator", "reinforce_plus_plus_baseline")
-def _reinforce_plus_plus_baseline(inputs: AdvantageInputs, config: AdvantageConfig) -> AdvantageOutput:
+def _reinforce_plus_plus_baseline(inputs: AdvantageInputs, config: AlgorithmConfig) -> AdvantageOutput:
     group_index = _require(inputs, "group_index", "reinforce_plus_plus_baseline", "one prompt id per sequence")
     advantages = compute_reinforce_plus_plus_baseline_advantages(
         inputs.token_level_rewards, inputs.response_mask, group_index
@@ -282,7 +262,7 @@ def _reinforce_plus_plus_baseline(inputs: AdvantageInputs, config: AdvantageConf
 
 
 @registry.register("adv_estimator", "remax")
-def _remax(inputs: AdvantageInputs, config: AdvantageConfig) -> AdvantageOutput:
+def _remax(inputs: AdvantageInputs, config: AlgorithmConfig) -> AdvantageOutput:
     baseline = _require(inputs, "baseline_scores", "remax", "the greedy response's reward per sequence")
     advantages, returns = compute_remax_advantages(inputs.token_level_rewards, inputs.response_mask, baseline, config.gamma)
     return AdvantageOutput(advantages, returns)

@@ -15,13 +15,13 @@ with the gradient of ``k2``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from engine.algo import registry
 from engine.algo.stats import masked_mean
+from engine.config.algorithm import KLControlConfig
 
 # exp(log r) is evaluated on a clamped log-ratio, and k3's value clamped, as is usual for k3.
 _K3_LOG_RATIO_BOUND = 20.0
@@ -116,32 +116,11 @@ def apply_kl_penalty(
 # --- KL coefficient controllers (``algorithm.kl_ctrl``) ----------------------------------------
 
 
-@dataclass(frozen=True)
-class KLControllerConfig:
-    """``algorithm.kl_ctrl``: ``type`` is ``fixed`` or ``adaptive``; ``kl_coef`` the (initial) beta;
-    ``target_kl`` and ``horizon`` drive the adaptive controller."""
-
-    type: str = "fixed"
-    kl_coef: float = 0.001
-    target_kl: float = 0.1
-    horizon: float = 10000
-
-    def __post_init__(self) -> None:
-        registry.get("kl_controller", self.type)
-        if self.kl_coef < 0:
-            raise ValueError(f"algorithm.kl_ctrl.kl_coef must be >= 0, got {self.kl_coef}")
-        if self.type == "adaptive" and (self.target_kl <= 0 or self.horizon <= 0):
-            raise ValueError(
-                f"algorithm.kl_ctrl.type=adaptive needs target_kl > 0 and horizon > 0, "
-                f"got target_kl={self.target_kl}, horizon={self.horizon}"
-            )
-
-
 @registry.register("kl_controller", "fixed")
 class FixedKLController:
     """A constant beta."""
 
-    def __init__(self, config: KLControllerConfig):
+    def __init__(self, config: KLControlConfig):
         self.value = config.kl_coef
 
     def update(self, current_kl: float, n_steps: int) -> None:
@@ -165,7 +144,7 @@ class AdaptiveKLController:
     below it; the clip bounds how fast one noisy batch can move it.
     """
 
-    def __init__(self, config: KLControllerConfig):
+    def __init__(self, config: KLControlConfig):
         self.value = config.kl_coef
         self.target_kl = config.target_kl
         self.horizon = config.horizon
@@ -184,8 +163,8 @@ class AdaptiveKLController:
         self.value = float(state["value"])
 
 
-def build_kl_controller(config: KLControllerConfig) -> FixedKLController | AdaptiveKLController:
-    """The controller named by ``algorithm.kl_ctrl.type``."""
+def build_kl_controller(config: KLControlConfig) -> FixedKLController | AdaptiveKLController:
+    """The controller named by ``algorithm.kl_ctrl.type`` (``kl_coef``, ``target_kl``, ``horizon``)."""
     return registry.get("kl_controller", config.type)(config)
 
 

@@ -38,6 +38,7 @@ import torch
 from engine.algo import registry
 from engine.algo.kl import kl_divergence
 from engine.algo.stats import masked_var
+from engine.config.actor_rollout_ref import ActorConfig
 
 # exp() of a log-ratio beyond this overflows float32 or is a numerical accident; clamp first.
 _MAX_LOG_RATIO = 20.0
@@ -166,50 +167,6 @@ def _token_mean_metric(values: torch.Tensor, mask: torch.Tensor, scale: LossScal
 # --- Policy losses (``policy_loss.loss_mode``) ---------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PolicyLossConfig:
-    """The actor's policy-loss settings (``actor_rollout_ref.actor.*``).
-
-    Attributes:
-        loss_mode: ``policy_loss.loss_mode``: ``vanilla`` (PPO) or ``gspo``.
-        clip_ratio: epsilon of the clipped surrogate; the default of both sides.
-        clip_ratio_low: lower epsilon (ratio >= 1 - clip_ratio_low); None -> clip_ratio.
-        clip_ratio_high: upper epsilon (ratio <= 1 + clip_ratio_high); None -> clip_ratio
-            (DAPO's clip-higher sets it above clip_ratio_low).
-        clip_ratio_c: dual-clip bound c > 1 for negative advantages; None disables dual-clip.
-            Used by ``vanilla`` only.
-        loss_agg_mode: how per-token losses become the scalar loss.
-    """
-
-    loss_mode: str = "vanilla"
-    clip_ratio: float = 0.2
-    clip_ratio_low: float | None = None
-    clip_ratio_high: float | None = None
-    clip_ratio_c: float | None = 3.0
-    loss_agg_mode: str = "token-mean"
-
-    def __post_init__(self) -> None:
-        registry.get("policy_loss", self.loss_mode)
-        registry.get("loss_agg_mode", self.loss_agg_mode)
-        for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
-            value = getattr(self, key)
-            if value is not None and value < 0:
-                raise ValueError(f"actor_rollout_ref.actor.{key} must be >= 0, got {value}")
-        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
-            raise ValueError(
-                f"actor_rollout_ref.actor.clip_ratio_c must be > 1 (dual-clip lower bound), "
-                f"got {self.clip_ratio_c}"
-            )
-
-    @property
-    def epsilon_low(self) -> float:
-        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
-
-    @property
-    def epsilon_high(self) -> float:
-        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
-
-
 @dataclass
 class LossOutput:
     """A micro-batch's loss share (differentiable) and its detached metric shares.
@@ -227,17 +184,17 @@ def compute_policy_loss(
     log_probs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    config: PolicyLossConfig,
+    config: ActorConfig,
     scale: LossScale,
 ) -> LossOutput:
-    """Policy-gradient loss of ``config.loss_mode``.
+    """Policy-gradient loss of ``config.policy_loss.loss_mode``.
 
     Args:
         old_log_probs: log pi_old(a_t) of the rollout policy, ``[batch, response_len]``.
         log_probs: log pi_theta(a_t), differentiable.
         advantages: per-token advantages.
         response_mask: response tokens.
-        config: clipping and aggregation settings.
+        config: the actor's settings (``actor_rollout_ref.actor.*``): clip ratios and ``loss_agg_mode``.
         scale: global normalisers (module docstring).
 
     Returns:
@@ -247,7 +204,7 @@ def compute_policy_loss(
     _check_same_shape(
         old_log_probs=old_log_probs, log_probs=log_probs, advantages=advantages, response_mask=response_mask
     )
-    return registry.get("policy_loss", config.loss_mode)(
+    return registry.get("policy_loss", config.policy_loss.loss_mode)(
         old_log_probs, log_probs, advantages, response_mask, config, scale
     )
 
@@ -258,7 +215,7 @@ def _vanilla_policy_loss(
     log_probs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    config: PolicyLossConfig,
+    config: ActorConfig,
     scale: LossScale,
 ) -> LossOutput:
     # PPO clipped surrogate (Schulman et al. 2017), as a loss to minimise:
@@ -275,7 +232,7 @@ def _gspo_policy_loss(
     log_probs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    config: PolicyLossConfig,
+    config: ActorConfig,
     scale: LossScale,
 ) -> LossOutput:
     # GSPO (Zheng et al. 2025): one length-normalised ratio per sequence,
@@ -299,7 +256,7 @@ def _clipped_surrogate(
     log_probs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    config: PolicyLossConfig,
+    config: ActorConfig,
     scale: LossScale,
     clip_ratio_c: float | None,
 ) -> LossOutput:
@@ -404,35 +361,12 @@ def aggregate_entropy(
     return aggregate_loss(entropy, response_mask, loss_agg_mode, scale)
 
 
-@dataclass(frozen=True)
-class ActorLossConfig:
-    """Everything the actor's loss reads (``actor_rollout_ref.actor.*``).
-
-    Attributes:
-        policy: clipped-surrogate settings and ``loss_agg_mode`` (shared by every term).
-        entropy_coeff: weight of the entropy bonus; 0 skips it.
-        use_kl_loss: add ``kl_loss_coef * KL(pi_theta || pi_ref)`` to the loss (GRPO style) rather
-            than, or besides, ``algorithm.use_kl_in_reward``.
-        kl_loss_coef: weight of the KL loss.
-        kl_loss_type: the KL estimator, one of ``registry.names("kl_estimator")``.
-    """
-
-    policy: PolicyLossConfig = field(default_factory=PolicyLossConfig)
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-
-    def __post_init__(self) -> None:
-        registry.get("kl_estimator", self.kl_loss_type, "actor_rollout_ref.actor.kl_loss_type")
-
-
 def compute_actor_loss(
     old_log_probs: torch.Tensor,
     log_probs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    config: ActorLossConfig,
+    config: ActorConfig,
     scale: LossScale,
     entropy: torch.Tensor | None = None,
     ref_log_probs: torch.Tensor | None = None,
@@ -448,10 +382,10 @@ def compute_actor_loss(
         ``entropy`` and ``kl_loss`` when those terms are present (the trainer logs
         them under ``actor/``).
     """
-    output = compute_policy_loss(old_log_probs, log_probs, advantages, response_mask, config.policy, scale)
+    output = compute_policy_loss(old_log_probs, log_probs, advantages, response_mask, config, scale)
     loss = output.loss
     metrics = dict(output.metrics)
-    agg_mode = config.policy.loss_agg_mode
+    agg_mode = config.loss_agg_mode
     if config.entropy_coeff != 0 and entropy is None:
         raise ValueError("actor_rollout_ref.actor.entropy_coeff != 0 needs per-token entropy")
     if entropy is not None:

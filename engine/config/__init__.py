@@ -10,22 +10,24 @@
     cfg.actor_rollout_ref.actor.optim.lr  # plain dataclasses, every interpolation resolved
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
-:func:`engine.config.cli.load_config_or_exit` does exactly that try/except. Importing this package
+Each section's class is the one settings class of the component that reads it (the actor role,
+the rollout engines, the prompt pipeline, ...): no runtime copy of a section exists.
+:func:`engine.config.cli.load_config_or_exit` does the try/except above. Importing this package
 does not import torch; validation imports the algorithm registry lazily.
 """
-from engine.config.actor_rollout_ref import (ActorRolloutRefSection, ActorSection, PolicyLossSection,
-                                             RefSection, RolloutSection, ValidationSamplingSection)
-from engine.config.algorithm import AlgorithmSection, KLControlSection
-from engine.config.critic import CriticSection
-from engine.config.data import DataSection
+from engine.config.actor_rollout_ref import (ActorConfig, ActorRolloutRefConfig, PolicyLossConfig, RefConfig,
+                                             RolloutConfig, SamplingConfig)
+from engine.config.algorithm import AlgorithmConfig, KLControlConfig
+from engine.config.critic import CriticConfig
+from engine.config.data import DataConfig
 from engine.config.errors import ConfigError
 from engine.config.experiment import ExperimentConfig
 from engine.config.loader import load_config, to_yaml
-from engine.config.model import MegatronSection, ModelSection, OptimSection
-from engine.config.trainer import TrainerSection
+from engine.config.model import MegatronConfig, ModelConfig, OptimConfig, PolicyModelConfig
+from engine.config.trainer import TrainerConfig
 
 __all__ = [
-    "ActorRolloutRefSection", "ActorSection", "AlgorithmSection", "ConfigError", "CriticSection", "DataSection",
-    "ExperimentConfig", "KLControlSection", "MegatronSection", "ModelSection", "OptimSection", "PolicyLossSection",
-    "RefSection", "RolloutSection", "TrainerSection", "ValidationSamplingSection", "load_config", "to_yaml",
+    "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig",
+    "ExperimentConfig", "KLControlConfig", "MegatronConfig", "ModelConfig", "OptimConfig", "PolicyLossConfig",
+    "PolicyModelConfig", "RefConfig", "RolloutConfig", "SamplingConfig", "TrainerConfig", "load_config", "to_yaml",
 ]

@@ -1,7 +1,8 @@
 """``actor_rollout_ref.*``: the policy being trained, its rollout engine and the frozen reference.
 
-The three share one model (``actor_rollout_ref.model``); the reference also uses the actor's
-Megatron layout, so only its log-prob batching is configurable.
+Each class here is the one settings class of its component: ``ActorConfig`` of the actor role and
+the policy loss (``engine.roles.actor``, ``engine.algo.losses``), ``RefConfig`` of the reference
+role, ``RolloutConfig`` of the rollout engines and the weight sync.
 """
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ from dataclasses import dataclass, field
 
 from omegaconf import II
 
-from engine.config.model import MegatronSection, ModelSection, OptimSection
+from engine.config.model import MegatronConfig, OptimConfig, PolicyModelConfig
 
-ROLLOUT_MODES = ("colocated", "disaggregated")
+ROLLOUT_MODES = ("colocated",)  # "disaggregated" (engines on GPUs of their own) is not built yet
 ROLLOUT_DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass
-class PolicyLossSection:
+class PolicyLossConfig:
     """``actor_rollout_ref.actor.policy_loss.*``.
 
     Attributes:
@@ -28,8 +29,8 @@ class PolicyLossSection:
 
 
 @dataclass
-class ActorSection:
-    """``actor_rollout_ref.actor.*``: PPO updates of the policy.
+class ActorConfig:
+    """``actor_rollout_ref.actor.*``: PPO updates of the policy and its loss.
 
     Batch sizes count *prompts*, as in verl: one mini-batch holds
     ``ppo_mini_batch_size * rollout.n`` sequences, split evenly over the data-parallel ranks and
@@ -40,8 +41,11 @@ class ActorSection:
         ppo_mini_batch_size: prompts per optimizer step (global).
         ppo_micro_batch_size_per_gpu: sequences per forward/backward on one rank; required unless
             ``use_dynamic_bsz``.
-        use_dynamic_bsz: form micro-batches by token count (``ppo_max_token_len_per_gpu``) instead.
+        use_dynamic_bsz: form micro-batches by token count (``ppo_max_token_len_per_gpu``) instead;
+            also for the reference's log-prob pass.
         ppo_max_token_len_per_gpu: token budget of one dynamic micro-batch on one rank.
+        shuffle: reshuffle each rollout batch into mini-batches every epoch (seeded by
+            ``trainer.seed``; the same on every rank and layout); false keeps the rollout order.
         clip_ratio: PPO's epsilon; ratio clipped to [1 - clip_ratio_low, 1 + clip_ratio_high].
         clip_ratio_low: lower epsilon; null = ``clip_ratio``.
         clip_ratio_high: upper epsilon; null = ``clip_ratio`` (DAPO's clip-higher raises it).
@@ -59,6 +63,7 @@ class ActorSection:
     ppo_micro_batch_size_per_gpu: int | None = None
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
+    shuffle: bool = True
     clip_ratio: float = 0.2
     clip_ratio_low: float | None = None
     clip_ratio_high: float | None = None
@@ -68,36 +73,25 @@ class ActorSection:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
-    policy_loss: PolicyLossSection = field(default_factory=PolicyLossSection)
-    optim: OptimSection = field(default_factory=OptimSection)
-    megatron: MegatronSection = field(default_factory=MegatronSection)
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
-    def loss_config(self):
-        """The ``engine.algo.losses.ActorLossConfig`` of these settings (imports torch)."""
-        from engine.algo.losses import ActorLossConfig, PolicyLossConfig
+    @property
+    def epsilon_low(self) -> float:
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
 
-        policy = PolicyLossConfig(
-            loss_mode=self.policy_loss.loss_mode,
-            clip_ratio=self.clip_ratio,
-            clip_ratio_low=self.clip_ratio_low,
-            clip_ratio_high=self.clip_ratio_high,
-            clip_ratio_c=self.clip_ratio_c,
-            loss_agg_mode=self.loss_agg_mode,
-        )
-        return ActorLossConfig(
-            policy=policy,
-            entropy_coeff=self.entropy_coeff,
-            use_kl_loss=self.use_kl_loss,
-            kl_loss_coef=self.kl_loss_coef,
-            kl_loss_type=self.kl_loss_type,
-        )
+    @property
+    def epsilon_high(self) -> float:
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
 
 
 @dataclass
-class RefSection:
+class RefConfig:
     """``actor_rollout_ref.ref.*``: log-probs of the frozen reference policy.
 
-    It runs on the actor's Megatron layout and batches like the actor (``actor.use_dynamic_bsz``).
+    It runs on the actor's Megatron layout and batches the way the actor does
+    (``actor.use_dynamic_bsz``), with its own micro-batch sizes.
 
     Attributes:
         log_prob_micro_batch_size_per_gpu: sequences per forward on one rank; defaults to the
@@ -106,13 +100,19 @@ class RefSection:
             the actor's ``ppo_max_token_len_per_gpu``.
     """
 
-    log_prob_micro_batch_size_per_gpu: int | None = II("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
-    log_prob_max_token_len_per_gpu: int = II("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    log_prob_max_token_len_per_gpu: int = 16384
 
 
 @dataclass
-class ValidationSamplingSection:
-    """``actor_rollout_ref.rollout.val_kwargs.*``: sampling of the validation responses (greedy by default)."""
+class SamplingConfig:
+    """``actor_rollout_ref.rollout.val_kwargs.*``: sampling of the validation responses (greedy by default).
+
+    Attributes:
+        n: responses per validation prompt; with n > 1 validation also reports pass@n.
+        do_sample: false = greedy decoding whatever the temperature.
+        temperature, top_p, top_k: sampling; top_k = -1 disables top-k.
+    """
 
     n: int = 1
     do_sample: bool = False
@@ -120,25 +120,29 @@ class ValidationSamplingSection:
     top_p: float = 1.0
     top_k: int = -1
 
+    def sampling_params(self, max_new_tokens: int):
+        """The ``engine.rollout.SamplingParams`` of these settings (greedy unless ``do_sample``)."""
+        from engine.rollout.base import SamplingParams
+
+        return SamplingParams(max_new_tokens=max_new_tokens, temperature=self.temperature if self.do_sample else 0.0,
+                              top_p=self.top_p, top_k=self.top_k)
+
 
 @dataclass
-class RolloutSection:
-    """``actor_rollout_ref.rollout.*``: the generation engine and its sampling.
+class RolloutConfig(SamplingConfig):
+    """``actor_rollout_ref.rollout.*``: the generation engine, its sampling and the weight sync.
 
     Attributes:
         name: the engine: "torch" (HF generate inside the trainer process, for small CPU runs) or
             "sglang" (SGLang servers).
-        mode: "colocated" (the engine shares the training GPUs and takes the weights from them,
-            3D-HybridEngine style) or "disaggregated" (the engine has GPUs of its own).
-        num_gpus: disaggregated mode only: GPUs given to the engine, taken out of the world size;
-            the trainer gets the rest.
+        mode: "colocated": the engine shares the training GPUs and takes the weights from them
+            (3D-HybridEngine); "disaggregated" is not built yet.
         tensor_model_parallel_size: generation TP size of one engine replica.
         dtype: weight precision inside the engine.
         gpu_memory_utilization: fraction of GPU memory the engine may take (SGLang's
             ``mem_fraction_static``).
         n: responses sampled per prompt.
-        do_sample: false = greedy decoding whatever the temperature.
-        temperature, top_p, top_k: sampling; top_k = -1 disables top-k.
+        do_sample, temperature, top_p, top_k: as in ``SamplingConfig`` (sampled by default).
         log_prob_micro_batch_size_per_gpu: sequences per forward when the actor recomputes the
             rollout's log-probs (the PPO ``old_log_prob``); defaults to the actor's micro-batch.
         log_prob_max_token_len_per_gpu: the same with dynamic batching; defaults to the actor's.
@@ -150,33 +154,42 @@ class RolloutSection:
             recomputation of them (no extra forward).
         check_weight_sync_tolerance: the largest mean |rollout - trainer| log-prob per response
             token that passes (fp32 gives ~1e-6, bf16 ~1e-2; wrong weights give ~1).
+        startup_timeout_s: how long an SGLang server may take to load and answer (a 70B TP8 load
+            with CUDA-graph capture takes minutes).
+        request_timeout_s: the longest one generation request may take.
+        weight_update_timeout_s: the longest one weight-update request (or broadcast) may take.
         val_kwargs: sampling of the validation responses.
     """
 
     name: str = "sglang"
     mode: str = "colocated"
-    num_gpus: int = 0
     tensor_model_parallel_size: int = 1
     dtype: str = "bfloat16"
     gpu_memory_utilization: float = 0.5
     n: int = 1
     do_sample: bool = True
     temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    log_prob_micro_batch_size_per_gpu: int | None = II("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
-    log_prob_max_token_len_per_gpu: int = II("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
-    update_weights_bucket_megabytes: int = 512
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    log_prob_max_token_len_per_gpu: int = 16384
+    update_weights_bucket_megabytes: float = 512.0
     check_weight_sync: bool = False
     check_weight_sync_tolerance: float = 0.1
-    val_kwargs: ValidationSamplingSection = field(default_factory=ValidationSamplingSection)
+    startup_timeout_s: float = 1800.0
+    request_timeout_s: float = 3600.0
+    weight_update_timeout_s: float = 600.0
+    val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+# In an experiment the log-prob passes default to the actor's micro-batching (verl's convention).
+_ACTOR_MICRO_BATCHES = {"log_prob_micro_batch_size_per_gpu": II("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+                        "log_prob_max_token_len_per_gpu": II("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")}
 
 
 @dataclass
-class ActorRolloutRefSection:
-    """``actor_rollout_ref.*``."""
+class ActorRolloutRefConfig:
+    """``actor_rollout_ref.*``: the three share one model (``actor_rollout_ref.model``)."""
 
-    model: ModelSection = field(default_factory=ModelSection)
-    actor: ActorSection = field(default_factory=ActorSection)
-    ref: RefSection = field(default_factory=RefSection)
-    rollout: RolloutSection = field(default_factory=RolloutSection)
+    model: PolicyModelConfig = field(default_factory=PolicyModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=lambda: RefConfig(**_ACTOR_MICRO_BATCHES))
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(**_ACTOR_MICRO_BATCHES))

@@ -1,4 +1,4 @@
-"""``algorithm.*``: advantage estimation and the KL penalty in the reward."""
+"""``algorithm.*``: advantage estimation and the KL penalty in the reward (read by ``engine.algo``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,7 +8,7 @@ GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 
 
 @dataclass
-class KLControlSection:
+class KLControlConfig:
     """``algorithm.kl_ctrl.*``: the coefficient beta of the in-reward KL penalty.
 
     Attributes:
@@ -23,20 +23,16 @@ class KLControlSection:
     target_kl: float = 0.1
     horizon: int = 10000
 
-    def controller_config(self):
-        """The ``engine.algo.kl.KLControllerConfig`` of these settings (imports torch)."""
-        from engine.algo.kl import KLControllerConfig
-
-        return KLControllerConfig(type=self.type, kl_coef=self.kl_coef, target_kl=self.target_kl, horizon=self.horizon)
-
 
 @dataclass
-class AlgorithmSection:
+class AlgorithmConfig:
     """``algorithm.*``.
 
     Attributes:
         adv_estimator: one of ``registry.names("adv_estimator")``; "gae" (Schulman et al. 2016)
-            needs the critic, the group estimators (GRPO, RLOO) need ``rollout.n >= 2``.
+            needs the critic; the group estimators (GRPO, RLOO, REINFORCE++ with baseline) need
+            ``rollout.n >= 2``; "remax" (Li et al. 2023) also generates one greedy response per
+            prompt as its baseline.
         gamma: discount factor.
         lam: GAE's lambda.
         norm_adv_by_std_in_grpo: GRPO divides by the group's std (false gives Dr. GRPO).
@@ -51,16 +47,14 @@ class AlgorithmSection:
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
-    kl_ctrl: KLControlSection = field(default_factory=KLControlSection)
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
 
     @property
     def uses_critic(self) -> bool:
         """Whether this estimator needs the value model."""
         return self.adv_estimator == "gae"
 
-    def advantage_config(self):
-        """The ``engine.algo.advantages.AdvantageConfig`` of these settings (imports torch)."""
-        from engine.algo.advantages import AdvantageConfig
-
-        return AdvantageConfig(adv_estimator=self.adv_estimator, gamma=self.gamma, lam=self.lam,
-                               norm_adv_by_std_in_grpo=self.norm_adv_by_std_in_grpo)
+    @property
+    def uses_greedy_baseline(self) -> bool:
+        """Whether each prompt also gets a greedy response whose reward is the baseline (ReMax)."""
+        return self.adv_estimator == "remax"

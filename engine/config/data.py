@@ -1,14 +1,16 @@
-"""``data.*``: the prompt files and the prompt/response length budget."""
+"""``data.*``: the prompt files and the prompt/response length budget (read by ``engine.data``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
+TRUNCATION_MODES = ("error", "left", "right")
+
 
 @dataclass
-class DataSection:
-    """Prompt data (verl's ``data.*`` keys).
+class DataConfig:
+    """Prompt data (verl's ``data.*`` keys): the one settings class of the prompt pipeline.
 
     Attributes:
         train_files: Parquet files with the training prompts (a single path is accepted too).
@@ -21,9 +23,10 @@ class DataSection:
         max_response_length: most tokens generated per response (the rollout's ``max_new_tokens``).
         filter_overlong_prompts: drop prompts longer than ``max_prompt_length`` (counted) instead of
             applying ``truncation``.
-        truncation: over-long prompts that are not filtered: "error", "left" or "right".
+        truncation: over-long prompts that are not filtered: "error" stops with the file and row,
+            "left" keeps the last ``max_prompt_length`` tokens, "right" the first.
         shuffle: reshuffle the training prompts every epoch.
-        seed: seed of the shuffling.
+        seed: seed of the shuffling (epoch e uses the permutation drawn from (seed, e)).
         drop_last: drop each epoch's last, incomplete global batch.
     """
 
@@ -39,20 +42,3 @@ class DataSection:
     shuffle: bool = True
     seed: int = 1
     drop_last: bool = True
-
-    def prompt_data_config(self):
-        """The ``engine.data.DataConfig`` the prompt pipeline takes (imports torch)."""
-        from engine.data.config import DataConfig
-
-        return DataConfig(
-            train_files=list(self.train_files),
-            val_files=list(self.val_files) or None,
-            train_batch_size=self.train_batch_size,
-            val_batch_size=self.val_batch_size,
-            max_prompt_length=self.max_prompt_length,
-            filter_overlong_prompts=self.filter_overlong_prompts,
-            truncation=self.truncation,
-            shuffle=self.shuffle,
-            seed=self.seed,
-            drop_last=self.drop_last,
-        )

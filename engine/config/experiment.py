@@ -1,13 +1,13 @@
-"""The whole experiment: one dataclass per top-level YAML section."""
+"""The whole experiment, assembled from each component's own settings class."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.config.actor_rollout_ref import ActorRolloutRefSection
-from engine.config.algorithm import AlgorithmSection
-from engine.config.critic import CriticSection
-from engine.config.data import DataSection
-from engine.config.trainer import TrainerSection
+from engine.config.actor_rollout_ref import ActorRolloutRefConfig
+from engine.config.algorithm import AlgorithmConfig
+from engine.config.critic import CriticConfig, experiment_critic
+from engine.config.data import DataConfig
+from engine.config.trainer import TrainerConfig
 # The reward pool's own settings class is the `reward_model` section (plain dataclasses, no torch).
 from engine.rewards.config import RewardConfig
 
@@ -18,12 +18,13 @@ class ExperimentConfig:
 
     The sections and key names follow verl's PPO trainer: ``data``, ``actor_rollout_ref``
     (``model``, ``actor``, ``ref``, ``rollout``), ``critic``, ``algorithm``, ``reward_model``,
-    ``trainer``.
+    ``trainer``. Every section is the settings class its component reads at run time, so a key
+    reaches the code it names without a copy in between.
     """
 
-    data: DataSection = field(default_factory=DataSection)
-    actor_rollout_ref: ActorRolloutRefSection = field(default_factory=ActorRolloutRefSection)
-    critic: CriticSection = field(default_factory=CriticSection)
-    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=experiment_critic)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward_model: RewardConfig = field(default_factory=RewardConfig)
-    trainer: TrainerSection = field(default_factory=TrainerSection)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -43,13 +43,20 @@ RENAMED_KEYS = {
     "actor_rollout_ref.actor.optim.clip_grad": "actor_rollout_ref.actor.optim.max_grad_norm",
     "critic.optim.clip_grad": "critic.optim.max_grad_norm",
 }
+# Keys verl (or an older Trident) has and this schema does not, and why; naming one is an error that says so.
+REMOVED_KEYS = {
+    "trainer.device": "the device is chosen by the machine: each rank's GPU (LOCAL_RANK) when CUDA is "
+                      "available, else the CPU",
+    "actor_rollout_ref.rollout.num_gpus": "disaggregated rollout (engines on GPUs of their own) is not built yet",
+    "critic.model.tokenizer_path": "the critic scores the actor's token ids and has no tokenizer of its own",
+    "critic.model.trust_remote_code": "the critic is built by megatron from config.json and runs no checkpoint code",
+}
 # Keys typed list[str] that also take one string (the way users write a single file).
 SINGLE_OR_LIST_KEYS = ("data.train_files", "data.val_files")
 # Path keys in which a leading "~" is expanded.
 PATH_KEYS = (
     "data.train_files", "data.val_files",
-    "actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path",
-    "critic.model.path", "critic.model.tokenizer_path",
+    "actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path", "critic.model.path",
     "reward_model.custom_reward_function.path",
     "trainer.default_local_dir", "trainer.resume_from_path",
 )
@@ -199,6 +206,9 @@ def _check_keys(tree: dict, cls: type, prefix: str, source: str, yaml_text: str 
 
 
 def _unknown_key_message(full_key: str, parent: type, source: str, yaml_text: str | None) -> str:
+    if full_key in REMOVED_KEYS:
+        return (f"Config key '{full_key}' ({_where(full_key, source, yaml_text)}) does not exist here: "
+                f"{REMOVED_KEYS[full_key]}. Remove it.")
     parent_key, _, leaf = full_key.rpartition(".")
     valid_here = list(schema_fields(parent))
     suggestion = closest_key(full_key)
@@ -291,9 +301,9 @@ def _to_object(merged: DictConfig) -> ExperimentConfig:
 
 
 def _fill_derived_defaults(config: ExperimentConfig) -> None:
-    for model in (config.actor_rollout_ref.model, config.critic.model):
-        if model.tokenizer_path is None:
-            model.tokenizer_path = model.path
+    model = config.actor_rollout_ref.model
+    if model.tokenizer_path is None:
+        model.tokenizer_path = model.path
     for dotted in PATH_KEYS:
         owner_path, _, attribute = dotted.rpartition(".")
         owner = config

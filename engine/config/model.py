@@ -1,31 +1,29 @@
-"""Sections shared by the actor, reference and critic: the HF model, the optimizer, the layout."""
+"""Settings shared by the trained and frozen models: the HF checkpoint, the optimizer, the layout."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
+# megatron-core's OptimizerParamScheduler decay styles.
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 PARAM_DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass
-class ModelSection:
-    """``*.model.*``: which Hugging Face checkpoint to train.
+class ModelConfig:
+    """``critic.model.*`` (and the common part of ``actor_rollout_ref.model.*``): the checkpoint.
 
     Attributes:
         path: HF model folder (``config.json`` + safetensors).
-        tokenizer_path: tokenizer folder; null = ``path``.
-        trust_remote_code: let transformers run code shipped with the checkpoint.
         use_remove_padding: pack the sequences of a micro-batch without padding (THD layout).
-        enable_gradient_checkpointing: recompute activations in the backward pass (less memory).
-        lora_rank: LoRA rank; 0 trains all weights.
+        enable_gradient_checkpointing: recompute activations in the backward pass (megatron's full
+            recompute of every layer: less memory, one more forward).
+        lora_rank: LoRA rank; 0 trains all weights. LoRA is not built yet: a rank > 0 is refused.
         lora_alpha: LoRA scaling numerator (the update is scaled by lora_alpha / lora_rank).
     """
 
     path: str = MISSING
-    tokenizer_path: str | None = None
-    trust_remote_code: bool = False
     use_remove_padding: bool = True
     enable_gradient_checkpointing: bool = False
     lora_rank: int = 0
@@ -33,20 +31,35 @@ class ModelSection:
 
 
 @dataclass
-class OptimSection:
+class PolicyModelConfig(ModelConfig):
+    """``actor_rollout_ref.model.*``: the policy's checkpoint, which also tokenizes the prompts.
+
+    Attributes:
+        tokenizer_path: tokenizer folder; null = ``path``.
+        trust_remote_code: let transformers (tokenizer, embedded engine) and SGLang run code shipped
+            with the checkpoint.
+    """
+
+    tokenizer_path: str | None = None
+    trust_remote_code: bool = False
+
+
+@dataclass
+class OptimConfig:
     """``*.optim.*``: AdamW (Loshchilov & Hutter 2019) and its learning-rate schedule.
 
     Attributes:
         lr: peak learning rate.
         betas: Adam's (beta1, beta2).
         eps: Adam's epsilon.
-        weight_decay: decoupled weight decay.
-        lr_warmup_steps: linear warm-up length in optimizer steps; negative = use
+        weight_decay: decoupled weight decay (megatron skips biases and norm weights).
+        lr_warmup_steps: linear warm-up from 0 over this many optimizer steps; negative = use
             ``lr_warmup_steps_ratio`` of the total steps.
         lr_warmup_steps_ratio: warm-up as a fraction of the total optimizer steps.
-        lr_decay_style: "constant", "linear" or "cosine" decay after the warm-up.
+        lr_decay_style: one of ``LR_DECAY_STYLES`` after the warm-up.
         min_lr: the learning rate the decay ends at.
-        max_grad_norm: clip the global gradient norm to this (verl: ``grad_clip``); 0 disables.
+        max_grad_norm: clip the global gradient norm to this (verl: ``grad_clip``); 0 disables
+            clipping (the norm is still reported).
     """
 
     lr: float = 1e-6
@@ -59,9 +72,15 @@ class OptimSection:
     min_lr: float = 0.0
     max_grad_norm: float = 1.0
 
+    def warmup_steps(self, total_optimizer_steps: int) -> int:
+        """The warm-up length in optimizer steps (verl's convention: negative = use the ratio)."""
+        if self.lr_warmup_steps >= 0:
+            return min(self.lr_warmup_steps, total_optimizer_steps)
+        return int(self.lr_warmup_steps_ratio * total_optimizer_steps)
+
 
 @dataclass
-class MegatronSection:
+class MegatronConfig:
     """``*.megatron.*``: the Megatron 3D layout and precision of one model.
 
     The data-parallel size is derived: world_size / (tensor * pipeline * context).
@@ -71,14 +90,17 @@ class MegatronSection:
         pipeline_model_parallel_size: pipeline stages (consecutive blocks of layers).
         virtual_pipeline_model_parallel_size: model chunks per pipeline stage (interleaved
             schedule); null = not interleaved.
-        context_parallel_size: ranks that split each sequence.
-        expert_model_parallel_size: ranks that split the experts of MoE layers.
+        context_parallel_size: ranks that split each sequence (not built yet: must be 1).
+        expert_model_parallel_size: ranks that split the experts of MoE layers (no MoE model is
+            supported yet: must be 1).
         sequence_parallel: split the activations outside the tensor-parallel regions along the
             sequence; only takes effect when tensor_model_parallel_size > 1 (with one TP rank there
             is nothing to split), as in Megatron-LM.
         use_distributed_optimizer: shard the optimizer state over the data-parallel ranks (ZeRO-1).
-        param_dtype: training precision of the weights: "bfloat16", "float16" or "float32".
-        seed: base seed of Megatron's model-parallel RNG (dropout, init).
+        param_dtype: training precision of the weights: "bfloat16" (fp32 main weights and
+            gradients), "float16" (also dynamic loss scaling) or "float32".
+        seed: seed of this model's initialisation (the critic's value head) and of megatron's
+            model-parallel RNG streams while it is built.
     """
 
     tensor_model_parallel_size: int = 1

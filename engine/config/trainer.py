@@ -1,22 +1,22 @@
-"""``trainer.*``: the cluster, the loop's length, checkpoints, logging."""
+"""``trainer.*``: the cluster, the loop's length, checkpoints, logging (read by ``engine.trainer``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 LOGGERS = ("console", "tensorboard", "jsonl")
-DEVICES = ("auto", "cuda", "cpu")
 RESUME_MODES = ("auto", "disable", "resume_path")
 
 
 @dataclass
-class TrainerSection:
+class TrainerConfig:
     """``trainer.*``.
 
     Attributes:
-        project_name, experiment_name: name the run (and its default directory).
-        nnodes: machines in the job.
-        n_gpus_per_node: ranks per machine (GPUs; CPU processes with ``device=cpu``).
-        device: "cuda", "cpu", or "auto" (cuda when available).
+        project_name, experiment_name: name the run (printed at the start, and part of the default
+            run directory).
+        nnodes: machines in the job; the launch must match (``WORLD_SIZE`` = nnodes x n_gpus_per_node).
+        n_gpus_per_node: ranks per machine, one GPU each (CPU processes on a machine without GPUs);
+            the launch must match (``LOCAL_WORLD_SIZE``).
         total_epochs: passes over the training prompts.
         total_training_steps: stop after this many PPO iterations; null = ``total_epochs`` worth.
         save_freq: checkpoint every this many iterations; -1 = only at the end.
@@ -31,14 +31,16 @@ class TrainerSection:
         logger: metric sinks, any of "console", "tensorboard", "jsonl".
         export_hf_at_end: write the trained actor as a HuggingFace folder (``<run>/hf/actor``,
             with the tokenizer and chat template of ``model.path``) when the run finishes.
-        seed: seed of everything not seeded elsewhere (sampling, init of new heads).
+        seed: seed of the random streams of the loop: sampling in the embedded engine, the SGLang
+            servers' seeds (+ rank), the mini-batch shuffles.
+        collective_timeout_minutes: how long a rank waits in a collective (NCCL/gloo) before the
+            job fails; covers the slowest step of a 70B run (a checkpoint, a long rollout).
     """
 
     project_name: str = "trident"
     experiment_name: str = "default"
     nnodes: int = 1
     n_gpus_per_node: int = 8
-    device: str = "auto"
     total_epochs: int = 1
     total_training_steps: int | None = None
     save_freq: int = -1
@@ -52,3 +54,4 @@ class TrainerSection:
     logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
     export_hf_at_end: bool = True
     seed: int = 1
+    collective_timeout_minutes: int = 60

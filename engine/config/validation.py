@@ -18,10 +18,11 @@ from typing import Any, Sequence
 
 from engine.config.actor_rollout_ref import ROLLOUT_DTYPES, ROLLOUT_MODES
 from engine.config.algorithm import GROUP_ESTIMATORS
+from engine.config.data import TRUNCATION_MODES
 from engine.config.errors import ConfigError
 from engine.config.experiment import ExperimentConfig
-from engine.config.model import LR_DECAY_STYLES, PARAM_DTYPES, MegatronSection, OptimSection
-from engine.config.trainer import DEVICES, LOGGERS, RESUME_MODES
+from engine.config.model import LR_DECAY_STYLES, PARAM_DTYPES, MegatronConfig, OptimConfig
+from engine.config.trainer import LOGGERS, RESUME_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +37,10 @@ def validate(config: ExperimentConfig, world_size: int | None = None) -> None:
         config: the typed experiment.
         world_size: ranks of the job; None uses ``trainer.nnodes * trainer.n_gpus_per_node``.
     """
+    _check_not_built(config)
     _check_choices(config)
     _check_ranges(config)
-    world, world_text = _world_size(config, world_size)
-    training_world, training_text = _training_world_size(config, world, world_text)
+    training_world, training_text = _world_size(config, world_size)
     actor_megatron = config.actor_rollout_ref.actor.megatron
     actor_dp = _data_parallel_size(f"{ACTOR}.megatron", actor_megatron, training_world, training_text)
     _check_model_shape("actor_rollout_ref.model.path", config.actor_rollout_ref.model.path,
@@ -48,9 +49,9 @@ def validate(config: ExperimentConfig, world_size: int | None = None) -> None:
     _check_rollout(config, training_world)
     _check_actor_batches(config, actor_dp)
     if config.algorithm.uses_critic:
-        critic_dp = _data_parallel_size("critic.megatron", config.critic.megatron, training_world, training_text)
+        _check_critic_layout(config)
         _check_model_shape("critic.model.path", config.critic.model.path, "critic.megatron", config.critic.megatron)
-        _check_critic_batches(config, critic_dp)
+        _check_critic_batches(config, actor_dp)
 
 
 # ----------------------------------------------------------------------------- names
@@ -58,7 +59,6 @@ def validate(config: ExperimentConfig, world_size: int | None = None) -> None:
 
 def _check_choices(config: ExperimentConfig) -> None:
     from engine.algo import registry
-    from engine.data.config import TRUNCATION_MODES
     from engine.rollout.factory import ROLLOUT_ENGINE_NAMES
 
     arr, algorithm, trainer = config.actor_rollout_ref, config.algorithm, config.trainer
@@ -78,7 +78,6 @@ def _check_choices(config: ExperimentConfig) -> None:
         ("critic.optim.lr_decay_style", config.critic.optim.lr_decay_style, LR_DECAY_STYLES),
         (f"{ACTOR}.megatron.param_dtype", arr.actor.megatron.param_dtype, PARAM_DTYPES),
         ("critic.megatron.param_dtype", config.critic.megatron.param_dtype, PARAM_DTYPES),
-        ("trainer.device", trainer.device, DEVICES),
         ("trainer.resume_mode", trainer.resume_mode, RESUME_MODES),
     ]
     choices += [(f"trainer.logger[{i}]", name, LOGGERS) for i, name in enumerate(trainer.logger)]
@@ -89,6 +88,36 @@ def _check_choices(config: ExperimentConfig) -> None:
             raise ConfigError(f"{key}={value!r} is not a valid choice.{hint} Valid values: {', '.join(valid)}.")
     if len(set(trainer.logger)) != len(trainer.logger):
         raise ConfigError(f"trainer.logger={trainer.logger} names a logger twice; list each once.")
+
+
+_LORA = "LoRA is not built yet; only full fine-tuning (lora_rank=0) runs today"
+_CONTEXT_PARALLEL = "context parallelism is not built yet (the roles do not split sequences over CP ranks); use 1"
+_EXPERT_PARALLEL = "expert parallelism needs a Mixture-of-Experts model, and none is supported yet; use 1"
+# Keys of features that are not built yet: the only value each accepts, and why. Anything else is
+# refused here, never accepted and ignored (tests/test_config_liveness.py holds every other key to
+# a run-time read).
+NOT_BUILT: dict[str, tuple[Any, str]] = {
+    "actor_rollout_ref.model.lora_rank": (0, _LORA),
+    "actor_rollout_ref.model.lora_alpha": (16, _LORA),
+    "critic.model.lora_rank": (0, _LORA),
+    "critic.model.lora_alpha": (16, _LORA),
+    f"{ACTOR}.megatron.context_parallel_size": (1, _CONTEXT_PARALLEL),
+    "critic.megatron.context_parallel_size": (1, _CONTEXT_PARALLEL),
+    f"{ACTOR}.megatron.expert_model_parallel_size": (1, _EXPERT_PARALLEL),
+    "critic.megatron.expert_model_parallel_size": (1, _EXPERT_PARALLEL),
+    f"{ROLLOUT}.mode": ("colocated", "rollout on GPUs of its own is not built yet; the engine runs colocated with "
+                                     f"training ({ROLLOUT}.mode=colocated)"),
+}
+
+
+def _check_not_built(config: ExperimentConfig) -> None:
+    """Switches of features that are not built yet: refused, never accepted and ignored."""
+    for key, (built, reason) in NOT_BUILT.items():
+        value: Any = config
+        for part in key.split("."):
+            value = getattr(value, part)
+        if value != built:
+            raise ConfigError(f"{key}={value!r}: {reason}.")
 
 
 # ----------------------------------------------------------------------------- single values
@@ -108,7 +137,7 @@ def _check_positive(owner: Any, prefix: str, names: Sequence[str], allow_none: b
                  ">= 1" + (" or null" if allow_none else ""))
 
 
-def _check_optim(prefix: str, optim: OptimSection) -> None:
+def _check_optim(prefix: str, optim: OptimConfig) -> None:
     _require(optim.lr >= 0, f"{prefix}.lr", optim.lr, ">= 0")
     _require(len(optim.betas) == 2 and all(0 <= beta < 1 for beta in optim.betas), f"{prefix}.betas",
              optim.betas, "two numbers in [0, 1), e.g. [0.9, 0.999]")
@@ -155,15 +184,19 @@ def _check_ranges(config: ExperimentConfig) -> None:
     _check_positive(rollout, ROLLOUT, ("log_prob_micro_batch_size_per_gpu",), allow_none=True)
     _require(0 < rollout.gpu_memory_utilization <= 1, f"{ROLLOUT}.gpu_memory_utilization",
              rollout.gpu_memory_utilization, "in (0, 1]")
-    _require(rollout.num_gpus >= 0, f"{ROLLOUT}.num_gpus", rollout.num_gpus, ">= 0")
+    for name in ("startup_timeout_s", "request_timeout_s", "weight_update_timeout_s"):
+        _require(getattr(rollout, name) > 0, f"{ROLLOUT}.{name}", getattr(rollout, name), "> 0 seconds")
     _require(rollout.check_weight_sync_tolerance > 0, f"{ROLLOUT}.check_weight_sync_tolerance",
              rollout.check_weight_sync_tolerance, "> 0")
     _check_sampling(ROLLOUT, rollout)
     _check_sampling(f"{ROLLOUT}.val_kwargs", rollout.val_kwargs)
     if algorithm.uses_critic:
         _check_positive(critic, "critic", ("ppo_epochs", "ppo_mini_batch_size", "ppo_max_token_len_per_gpu"))
-        _check_positive(critic, "critic", ("ppo_micro_batch_size_per_gpu",), allow_none=True)
-        _require(critic.cliprange_value > 0, "critic.cliprange_value", critic.cliprange_value, "> 0")
+        _check_positive(critic, "critic", ("ppo_micro_batch_size_per_gpu", "forward_micro_batch_size_per_gpu"),
+                        allow_none=True)
+        _check_positive(critic, "critic", ("forward_max_token_len_per_gpu",))
+        _require(critic.cliprange_value is None or critic.cliprange_value > 0, "critic.cliprange_value",
+                 critic.cliprange_value, "> 0, or null for a plain squared error")
         _require(critic.warmup_steps >= 0, "critic.warmup_steps", critic.warmup_steps, ">= 0")
         _check_optim("critic.optim", critic.optim)
     for name in ("gamma", "lam"):
@@ -179,7 +212,7 @@ def _check_ranges(config: ExperimentConfig) -> None:
             f"but {ROLLOUT}.n={rollout.n} samples one per prompt, so every advantage would be 0; "
             f"set {ROLLOUT}.n to 2 or more (4-16 is usual)."
         )
-    _check_positive(trainer, "trainer", ("nnodes", "n_gpus_per_node", "total_epochs"))
+    _check_positive(trainer, "trainer", ("nnodes", "n_gpus_per_node", "total_epochs", "collective_timeout_minutes"))
     _check_positive(trainer, "trainer", ("total_training_steps", "max_ckpt_to_keep"), allow_none=True)
     for name in ("save_freq", "test_freq"):
         value = getattr(trainer, name)
@@ -196,38 +229,33 @@ def _check_ranges(config: ExperimentConfig) -> None:
 
 
 def _world_size(config: ExperimentConfig, world_size: int | None) -> tuple[int, str]:
+    """The job's ranks: ``trainer.nnodes x trainer.n_gpus_per_node``, which a launch must match."""
     trainer = config.trainer
-    if world_size is None:
-        world = trainer.nnodes * trainer.n_gpus_per_node
-        return world, (f"world size {world} = trainer.nnodes ({trainer.nnodes}) x trainer.n_gpus_per_node "
-                       f"({trainer.n_gpus_per_node})")
-    if world_size < 1:
-        raise ConfigError(f"world size {world_size}: must be >= 1.")
-    return world_size, f"world size {world_size}"
-
-
-def _training_world_size(config: ExperimentConfig, world: int, world_text: str) -> tuple[int, str]:
-    rollout = config.actor_rollout_ref.rollout
-    if rollout.mode == "colocated":
-        if rollout.num_gpus:
-            raise ConfigError(
-                f"{ROLLOUT}.num_gpus={rollout.num_gpus} only applies to {ROLLOUT}.mode=disaggregated; a "
-                f"colocated engine shares the training GPUs. Set num_gpus=0 or mode=disaggregated."
-            )
-        return world, world_text
-    if rollout.name != "sglang":
-        raise ConfigError(f"{ROLLOUT}.mode=disaggregated needs {ROLLOUT}.name=sglang (the {rollout.name!r} engine "
-                          "runs inside the trainer processes).")
-    if not 0 < rollout.num_gpus < world:
+    world = trainer.nnodes * trainer.n_gpus_per_node
+    text = (f"world size {world} = trainer.nnodes ({trainer.nnodes}) x trainer.n_gpus_per_node "
+            f"({trainer.n_gpus_per_node})")
+    if world_size is not None and world_size != world:
         raise ConfigError(
-            f"{ROLLOUT}.mode=disaggregated: {ROLLOUT}.num_gpus={rollout.num_gpus} must leave GPUs for both "
-            f"sides of the {world_text}: 0 < num_gpus < {world}."
+            f"the job was launched with {world_size} ranks, but the experiment describes {text}; set "
+            f"trainer.nnodes and trainer.n_gpus_per_node to the launch (e.g. trainer.n_gpus_per_node={world_size} "
+            f"on one node) or launch {world} ranks."
         )
-    training = world - rollout.num_gpus
-    return training, f"training world size {training} = {world_text} - {ROLLOUT}.num_gpus ({rollout.num_gpus})"
+    return world, text
 
 
-def _data_parallel_size(key: str, megatron: MegatronSection, world: int, world_text: str) -> int:
+def check_launch(config: ExperimentConfig, world_size: int, ranks_per_node: int) -> None:
+    """The launched job matches ``trainer.nnodes`` x ``trainer.n_gpus_per_node`` (torchrun's
+    ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE``): the layout checks and GPU placement rely on it."""
+    _world_size(config, world_size)
+    if ranks_per_node != config.trainer.n_gpus_per_node:
+        raise ConfigError(
+            f"the job runs {ranks_per_node} ranks per node (LOCAL_WORLD_SIZE), but trainer.n_gpus_per_node="
+            f"{config.trainer.n_gpus_per_node}; launch with --nproc_per_node {config.trainer.n_gpus_per_node} or "
+            f"set trainer.n_gpus_per_node (and trainer.nnodes) to the launch."
+        )
+
+
+def _data_parallel_size(key: str, megatron: MegatronConfig, world: int, world_text: str) -> int:
     """dp = world / (tp * pp * cp), after parallel.layout's checks (translated to ConfigError)."""
     from parallel.layout import LayoutError
 
@@ -271,7 +299,7 @@ def _divisors(number: int) -> str:
     return ", ".join(str(d) for d in range(1, number + 1) if number % d == 0)
 
 
-def _check_model_shape(path_key: str, model_path: str, megatron_key: str, megatron: MegatronSection,
+def _check_model_shape(path_key: str, model_path: str, megatron_key: str, megatron: MegatronConfig,
                        rollout_tensor_parallel_size: int | None = None) -> None:
     shape = _read_model_shape(path_key, model_path)
     if shape is None:
@@ -313,13 +341,6 @@ def _check_rollout(config: ExperimentConfig, training_world: int) -> None:
             f"{ROLLOUT}.name=torch generates inside each trainer process without tensor parallelism; set "
             f"{ROLLOUT}.tensor_model_parallel_size=1 (got {rollout_tp}) or use name=sglang."
         )
-    if rollout.mode == "disaggregated":
-        if rollout.num_gpus % rollout_tp:
-            raise ConfigError(
-                f"{ROLLOUT}.num_gpus={rollout.num_gpus} must be a multiple of {ROLLOUT}.tensor_model_parallel_size="
-                f"{rollout_tp}: each engine replica takes {rollout_tp} GPUs."
-            )
-        return
     tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
     if (tp * pp) % rollout_tp:
         raise ConfigError(
@@ -350,7 +371,7 @@ def _check_replica_placement(config: ExperimentConfig, training_world: int) -> N
 # ----------------------------------------------------------------------------- batch sizes
 
 
-def _check_interleaved_micro_batches(what: str, count: int, megatron_key: str, megatron: MegatronSection,
+def _check_interleaved_micro_batches(what: str, count: int, megatron_key: str, megatron: MegatronConfig,
                                      dynamic: bool = False) -> None:
     """megatron's interleaved (VPP) schedule runs a multiple of pipeline_model_parallel_size micro-batches.
 
@@ -449,6 +470,16 @@ def _check_actor_batches(config: ExperimentConfig, actor_dp: int) -> None:
     _check_log_prob_batches(ROLLOUT, arr.rollout, dynamic, config, actor_dp)
     if arr.actor.use_kl_loss or config.algorithm.use_kl_in_reward:
         _check_log_prob_batches("actor_rollout_ref.ref", arr.ref, dynamic, config, actor_dp)
+
+
+def _check_critic_layout(config: ExperimentConfig) -> None:
+    actor, critic = config.actor_rollout_ref.actor.megatron.layout(), config.critic.megatron.layout()
+    if critic != actor:
+        raise ConfigError(
+            f"critic.megatron's layout {critic.describe()} differs from the actor's {actor.describe()}: actor, "
+            f"reference and critic train on one mesh today, so leave the critic's parallel sizes at their defaults "
+            f"(the actor's) or set them equal."
+        )
 
 
 def _check_critic_batches(config: ExperimentConfig, critic_dp: int) -> None:

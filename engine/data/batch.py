@@ -7,7 +7,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from engine.data.config import DataConfig
+from engine.config.data import DataConfig
 from engine.data.dataset import PromptDataset, PromptSample
 from engine.data.sampler import PromptSampler
 

@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
-from engine.data.config import TRUNCATION_MODES, DataConfig
-from engine.data.schema import PromptRecord, PromptSchemaError, as_file_list, read_prompt_files
+from engine.config.data import TRUNCATION_MODES, DataConfig
+from engine.data.schema import PROMPT_COLUMN, PromptRecord, PromptSchemaError, as_file_list, read_prompt_files
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class PromptSample:
     record: PromptRecord
 
 
-def render_chat_prompts(tokenizer: Any, records: Sequence[PromptRecord]) -> list[str]:
+def render_chat_prompts(tokenizer: Any, records: Sequence[PromptRecord], prompt_key: str = PROMPT_COLUMN) -> list[str]:
     """Apply the model's chat template (with the generation prompt) to every record's messages."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"tokenizer {type(tokenizer).__name__} has no chat_template; prompts are chat messages "
@@ -43,7 +43,7 @@ def render_chat_prompts(tokenizer: Any, records: Sequence[PromptRecord]) -> list
                                                        tokenize=False))
         except Exception as error:  # a template may reject a role order (e.g. no system role)
             raise PromptSchemaError(record.source_file, f"the chat template rejected the messages: {error}",
-                                    row=record.source_row, key="prompt") from error
+                                    row=record.source_row, key=prompt_key) from error
     return texts
 
 
@@ -58,7 +58,8 @@ class PromptDataset:
 
     def __init__(self, files: str | os.PathLike | Sequence[str | os.PathLike], tokenizer: Any, *,
                  max_prompt_length: int, filter_overlong_prompts: bool = False,
-                 truncation: Literal["error", "left", "right"] = "error", files_key: str = "data.train_files"):
+                 truncation: Literal["error", "left", "right"] = "error", files_key: str = "data.train_files",
+                 prompt_key: str = PROMPT_COLUMN):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation={truncation!r}: expected one of {TRUNCATION_MODES}")
         self.files = as_file_list(files, files_key)
@@ -66,8 +67,8 @@ class PromptDataset:
         self.max_prompt_length = max_prompt_length
         self.pad_token_id = self._pad_token_id(tokenizer)
 
-        records = read_prompt_files(self.files, key=files_key)
-        texts = render_chat_prompts(tokenizer, records)
+        records = read_prompt_files(self.files, key=files_key, prompt_key=prompt_key)
+        texts = render_chat_prompts(tokenizer, records, prompt_key)
         # The template already wrote any BOS/special tokens as text: do not add them a second time.
         token_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
 
@@ -79,7 +80,7 @@ class PromptDataset:
                 record.source_file, f"prompt has {length} tokens after the chat template, more than "
                 f"data.max_prompt_length={max_prompt_length} ({len(overlong)} of {len(records)} prompts are over "
                 f"the limit); set data.filter_overlong_prompts=true or data.truncation=left|right",
-                row=record.source_row, key="prompt")
+                row=record.source_row, key=prompt_key)
         for record, ids in zip(records, token_ids):
             if len(ids) > max_prompt_length:
                 if filter_overlong_prompts:
@@ -106,7 +107,7 @@ class PromptDataset:
         files = config.train_files if split == "train" else config.val_files
         return cls(files, tokenizer, max_prompt_length=config.max_prompt_length,
                    filter_overlong_prompts=config.filter_overlong_prompts, truncation=config.truncation,
-                   files_key=f"data.{split}_files")
+                   files_key=f"data.{split}_files", prompt_key=config.prompt_key)
 
     @staticmethod
     def _pad_token_id(tokenizer: Any) -> int:

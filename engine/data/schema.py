@@ -21,7 +21,8 @@ from typing import Any, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
+PROMPT_COLUMN = "prompt"  # the default of data.prompt_key
+REQUIRED_COLUMNS = ("data_source", PROMPT_COLUMN, "reward_model")
 OPTIONAL_COLUMNS = ("ability", "extra_info")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -76,43 +77,49 @@ def _mapping_to_dict(value: Any) -> Any:
     return value
 
 
-def _validate_messages(path: str, row: int, prompt: Any) -> list[dict[str, str]]:
+def _validate_messages(path: str, row: int, prompt: Any, key: str) -> list[dict[str, str]]:
     if not isinstance(prompt, list) or not prompt:
         raise PromptSchemaError(
             path, f"expected a non-empty list of chat messages {{role, content}}, got {type(prompt).__name__} "
-            f"{str(prompt)[:80]!r}", row=row, key="prompt")
+            f"{str(prompt)[:80]!r}", row=row, key=key)
     messages = []
     for position, message in enumerate(prompt):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise PromptSchemaError(path, f"message {position} is not a {{role, content}} mapping: "
-                                    f"{str(message)[:80]!r}", row=row, key="prompt")
+                                    f"{str(message)[:80]!r}", row=row, key=key)
         role, content = message["role"], message["content"]
         if role not in CHAT_ROLES:
             raise PromptSchemaError(path, f"message {position} has role {role!r}; expected one of {CHAT_ROLES}",
-                                    row=row, key="prompt")
+                                    row=row, key=key)
         if not isinstance(content, str):
             raise PromptSchemaError(path, f"message {position} content is {type(content).__name__}, not a string",
-                                    row=row, key="prompt")
+                                    row=row, key=key)
         messages.append({"role": role, "content": content})
     return messages
 
 
-def read_prompt_file(path: str | os.PathLike) -> list[PromptRecord]:
-    """Read and validate one Parquet prompt file; raises `PromptSchemaError` on the first problem."""
+def read_prompt_file(path: str | os.PathLike, prompt_key: str = PROMPT_COLUMN,
+                     files_key: str = "data.train_files") -> list[PromptRecord]:
+    """Read and validate one Parquet prompt file; raises `PromptSchemaError` on the first problem.
+
+    ``prompt_key`` (``data.prompt_key``) names the column that holds the chat messages;
+    ``files_key`` the config key that listed the file."""
     path = str(path)
     if not Path(path).is_file():
-        raise PromptSchemaError(path, "file not found")
+        raise PromptSchemaError(path, f"file not found (listed in {files_key})")
     try:
         table = pq.read_table(path)
     except (pa.ArrowInvalid, OSError) as error:
         raise PromptSchemaError(path, f"not a readable Parquet file ({error})") from error
-    for column in REQUIRED_COLUMNS:
+    required = ("data_source", prompt_key, "reward_model")
+    for column in required:
         if column not in table.column_names:
-            raise PromptSchemaError(path, f"missing column (file has columns {table.column_names})", key=column)
+            hint = " (data.prompt_key)" if column == prompt_key else ""
+            raise PromptSchemaError(path, f"missing column{hint} (file has columns {table.column_names})", key=column)
     if table.num_rows == 0:
         raise PromptSchemaError(path, "the dataset is empty (0 rows)")
 
-    columns = {name: table.column(name).to_pylist() for name in REQUIRED_COLUMNS + OPTIONAL_COLUMNS
+    columns = {name: table.column(name).to_pylist() for name in required + OPTIONAL_COLUMNS
                if name in table.column_names}
     abilities = columns.get("ability", [""] * table.num_rows)
     extra_infos = columns.get("extra_info", [None] * table.num_rows)
@@ -122,7 +129,7 @@ def read_prompt_file(path: str | os.PathLike) -> list[PromptRecord]:
         if not isinstance(data_source, str) or not data_source:
             raise PromptSchemaError(path, f"expected a non-empty string, got {data_source!r}", row=row,
                                     key="data_source")
-        messages = _validate_messages(path, row, columns["prompt"][row])
+        messages = _validate_messages(path, row, columns[prompt_key][row], prompt_key)
         reward_model = _mapping_to_dict(columns["reward_model"][row])
         if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
             raise PromptSchemaError(path, f"expected a struct with a non-null 'ground_truth', got "
@@ -140,19 +147,19 @@ def read_prompt_file(path: str | os.PathLike) -> list[PromptRecord]:
     return records
 
 
-def read_prompt_files(files: str | os.PathLike | Sequence[str | os.PathLike], key: str = "data.train_files"
-                      ) -> list[PromptRecord]:
+def read_prompt_files(files: str | os.PathLike | Sequence[str | os.PathLike], key: str = "data.train_files",
+                      prompt_key: str = PROMPT_COLUMN) -> list[PromptRecord]:
     """Read and validate every file of `data.train_files` / `data.val_files`, in order."""
     records: list[PromptRecord] = []
     for path in as_file_list(files, key):
-        records.extend(read_prompt_file(path))
+        records.extend(read_prompt_file(path, prompt_key, key))
     return records
 
 
 def make_prompt_row(data_source: str, messages: list[dict[str, str]], ground_truth: str, ability: str = "",
                     extra_info: dict[str, Any] | None = None) -> dict[str, Any]:
     """Build one row in the schema (the converters in `launch/data` use this)."""
-    return {"data_source": data_source, "prompt": messages, "ability": ability,
+    return {"data_source": data_source, PROMPT_COLUMN: messages, "ability": ability,
             "reward_model": {"style": "rule", "ground_truth": str(ground_truth)},
             "extra_info": extra_info or {}}
 
@@ -166,7 +173,7 @@ def write_prompt_parquet(rows: Sequence[dict[str, Any]], path: str | os.PathLike
         raise ValueError(f"refusing to write an empty prompt dataset to {path}")
     columns = {
         "data_source": pa.array([r["data_source"] for r in rows], type=pa.string()),
-        "prompt": pa.array([r["prompt"] for r in rows], type=pa.list_(MESSAGE_TYPE)),
+        PROMPT_COLUMN: pa.array([r[PROMPT_COLUMN] for r in rows], type=pa.list_(MESSAGE_TYPE)),
         "ability": pa.array([r["ability"] for r in rows], type=pa.string()),
         "reward_model": pa.array([r["reward_model"] for r in rows], type=REWARD_MODEL_TYPE),
     }

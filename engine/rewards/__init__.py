@@ -7,7 +7,8 @@ import importlib
 
 _EXPORTS = {
     "CustomRewardFunctionConfig": "engine.rewards.config", "RewardConfig": "engine.rewards.config",
-    "RewardManager": "engine.rewards.manager", "RewardResult": "engine.rewards.manager",
+    "RewardFunctionError": "engine.rewards.manager", "RewardManager": "engine.rewards.manager",
+    "RewardResult": "engine.rewards.manager",
     "decode_responses": "engine.rewards.manager", "token_level_scores": "engine.rewards.manager",
     "default_compute_score": "engine.rewards.registry", "load_custom_reward_function": "engine.rewards.registry",
     "resolve_compute_score": "engine.rewards.registry",

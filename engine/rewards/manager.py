@@ -33,6 +33,10 @@ class RewardResult:
     metrics: dict[str, float]
 
 
+class RewardFunctionError(RuntimeError):
+    """The reward function kept failing; the message quotes its first error."""
+
+
 class RewardManager:
     """Scores responses with the configured compute_score; a raising call scores 0 and is counted.
 
@@ -45,6 +49,7 @@ class RewardManager:
     def __init__(self, config: RewardConfig, *, start_pool: bool = True):
         self.config = config
         self.compute_score = resolve_compute_score(config)
+        self.failing_steps = 0  # training steps in a row with too many failed reward calls
         self.pool = None
         if config.num_workers > 0 and start_pool:
             from engine.rewards.ray_pool import RewardWorkerPool
@@ -89,6 +94,26 @@ class RewardManager:
                 metrics[f"reward/{key}/mean"] = sum(numbers) / len(numbers)
         scores = torch.tensor([sample.score for sample in scored], dtype=torch.float32)
         return RewardResult(scores=scores, extras=extras, errors=errors, metrics=metrics)
+
+    def check_training_step(self, result: RewardResult, data_sources: Sequence[str]) -> None:
+        """Count a training step's failed reward calls; raise ``RewardFunctionError`` once
+        ``max_failed_steps`` steps in a row failed on at least ``max_failed_fraction`` of the batch.
+
+        Every rank holds the same result (``engine.rewards.spmd``), so every rank stops at once."""
+        failed = [i for i, error in enumerate(result.errors) if error is not None]
+        config = self.config
+        if len(failed) < config.max_failed_fraction * len(result.errors):
+            self.failing_steps = 0
+            return
+        self.failing_steps += 1
+        if config.max_failed_steps and self.failing_steps >= config.max_failed_steps:
+            first = failed[0]
+            raise RewardFunctionError(
+                f"the reward function failed on {len(failed)} of {len(result.errors)} responses, and on at least "
+                f"reward_model.max_failed_fraction={config.max_failed_fraction} of the batch in each of the last "
+                f"{self.failing_steps} steps (reward_model.max_failed_steps={config.max_failed_steps}); the run "
+                f"stops rather than train on zeros. First error (data_source {data_sources[first]!r}): "
+                f"{result.errors[first]}")
 
     def close(self) -> None:
         if self.pool is not None:

@@ -8,13 +8,11 @@ update does not depend on how the mini-batch is split over micro-batches or data
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from engine.algo.losses import ActorLossConfig, LossOutput, LossScale, compute_actor_loss
+from engine.algo.losses import LossOutput, LossScale, compute_actor_loss
+from engine.config.actor_rollout_ref import ActorConfig, RefConfig
 from engine.roles.batch import RolloutBatch
-from engine.roles.optim import OptimConfig
 from engine.roles.vocab_parallel import vocab_parallel_log_probs
 from engine.roles.worker import (
     MegatronWorker,
@@ -24,58 +22,6 @@ from engine.roles.worker import (
     UpdateSchedule,
     response_columns,
 )
-
-
-@dataclass(frozen=True)
-class ActorConfig:
-    """``actor_rollout_ref.actor.*`` (and the log-prob batching of ``rollout`` / ``ref``).
-
-    Attributes:
-        ppo_epochs, ppo_mini_batch_size, shuffle, seed: see ``UpdateSchedule``
-            (``ppo_mini_batch_size`` in sequences over all data-parallel ranks).
-        ppo_micro_batch_size_per_gpu: sequences per micro-batch in the update.
-        use_dynamic_bsz: micro-batches by token budget (update and log-prob passes).
-        ppo_max_token_len_per_gpu: token budget of an update micro-batch.
-        log_prob_micro_batch_size_per_gpu, log_prob_max_token_len_per_gpu: the same for
-            forward-only passes (old / reference log-probs).
-        loss: policy/KL/entropy settings of the algorithm library.
-        temperature: the rollout's sampling temperature (log-probs of softmax(logits / T)).
-        max_response_length: ``data.max_response_length`` (Dr.GRPO normaliser).
-    """
-
-    ppo_epochs: int = 1
-    ppo_mini_batch_size: int = 256
-    ppo_micro_batch_size_per_gpu: int = 1
-    use_dynamic_bsz: bool = False
-    ppo_max_token_len_per_gpu: int = 16384
-    log_prob_micro_batch_size_per_gpu: int = 1
-    log_prob_max_token_len_per_gpu: int = 16384
-    shuffle: bool = True
-    seed: int = 0
-    loss: ActorLossConfig = field(default_factory=ActorLossConfig)
-    temperature: float = 1.0
-    max_response_length: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(f"actor temperature must be > 0 (greedy rollouts use 1), got {self.temperature}")
-
-    def update_schedule(self) -> UpdateSchedule:
-        return UpdateSchedule(
-            ppo_epochs=self.ppo_epochs,
-            ppo_mini_batch_size=self.ppo_mini_batch_size,
-            micro_batches=MicroBatchConfig(
-                self.ppo_micro_batch_size_per_gpu, self.use_dynamic_bsz, self.ppo_max_token_len_per_gpu
-            ),
-            shuffle=self.shuffle,
-            seed=self.seed,
-            max_response_length=self.max_response_length,
-        )
-
-    def log_prob_micro_batches(self) -> MicroBatchConfig:
-        return MicroBatchConfig(
-            self.log_prob_micro_batch_size_per_gpu, self.use_dynamic_bsz, self.log_prob_max_token_len_per_gpu
-        )
 
 
 class _PolicyMixin:
@@ -124,9 +70,11 @@ class MegatronActor(_PolicyMixin, TrainableWorker):
     Args:
         model_chunks: ``engine.models.build_model_chunks(hf_config, layout)`` of this rank,
             weights loaded.
-        config: the actor settings.
-        optim_config: AdamW / LR schedule / clipping.
-        total_training_steps: optimizer steps over the run (for the LR decay).
+        config: ``actor_rollout_ref.actor``: the update, the loss, the optimizer.
+        log_prob_batches: how the old-log-prob pass is cut (``rollout.log_prob_*``).
+        samples_per_prompt: ``rollout.n`` (the config counts prompts, batches count sequences).
+        total_optimizer_steps: optimizer steps over the run (for the LR schedule).
+        seed: base seed of the mini-batch shuffles (``trainer.seed``).
         use_remove_padding: THD sequence packing (``model.use_remove_padding``).
     """
 
@@ -134,49 +82,70 @@ class MegatronActor(_PolicyMixin, TrainableWorker):
         self,
         model_chunks,
         config: ActorConfig,
-        optim_config: OptimConfig,
-        total_training_steps: int,
         *,
+        log_prob_batches: MicroBatchConfig,
+        samples_per_prompt: int,
+        total_optimizer_steps: int,
+        seed: int,
         use_remove_padding: bool = True,
     ) -> None:
-        super().__init__(model_chunks, optim_config, total_training_steps, use_remove_padding=use_remove_padding)
+        super().__init__(model_chunks, config.optim, total_optimizer_steps,
+                         use_distributed_optimizer=config.megatron.use_distributed_optimizer,
+                         use_remove_padding=use_remove_padding)
         self.config = config
+        self.log_prob_batches = log_prob_batches
+        self.schedule = UpdateSchedule(
+            ppo_epochs=config.ppo_epochs, ppo_mini_batch_size=config.ppo_mini_batch_size * samples_per_prompt,
+            micro_batches=MicroBatchConfig.of(config.ppo_micro_batch_size_per_gpu, config.use_dynamic_bsz,
+                                              config.ppo_max_token_len_per_gpu),
+            shuffle=config.shuffle, seed=seed,
+        )
 
-    def compute_old_log_probs(self, batch: RolloutBatch, compute_entropy: bool = False) -> dict[str, torch.Tensor]:
-        """log pi_old of the responses with the current weights (before the update)."""
-        return self.compute_log_probs(batch, self.config.log_prob_micro_batches(), self.config.temperature, compute_entropy)
+    def compute_old_log_probs(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
+        """log pi_old of the responses with the current weights (before the update), ``[B, R]``;
+        ``temperature``: the rollout's log-prob temperature (``SamplingParams.log_prob_temperature``)."""
+        return self.compute_log_probs(batch, self.log_prob_batches, temperature)["log_probs"]
 
-    def update_policy(self, batch: RolloutBatch) -> dict[str, float]:
+    def update_policy(self, batch: RolloutBatch, temperature: float) -> dict[str, float]:
         """PPO update on ``batch`` (needs ``old_log_probs``, ``advantages``; ``ref_log_probs``
-        with ``use_kl_loss``). Returns ``actor/*`` metrics averaged over optimizer steps."""
-        loss_config = self.config.loss
-        needed = ["old_log_probs", "advantages"] + (["ref_log_probs"] if loss_config.use_kl_loss else [])
+        with ``use_kl_loss``). Returns ``actor/*`` metrics averaged over optimizer steps, the
+        policy's entropy among them (in the loss only with ``entropy_coeff``)."""
+        config = self.config
+        needed = ["old_log_probs", "advantages"] + (["ref_log_probs"] if config.use_kl_loss else [])
         batch.require(*needed, role="MegatronActor.update_policy")
-        compute_entropy = loss_config.entropy_coeff != 0
 
         def loss_fn(output, inputs, micro_batch: RolloutBatch, scale: LossScale) -> LossOutput:
-            log_probs, entropy = self.policy_log_probs(
-                output, inputs, micro_batch, self.config.temperature, compute_entropy
-            )
+            log_probs, entropy = self.policy_log_probs(output, inputs, micro_batch, temperature, compute_entropy=True)
+            if config.entropy_coeff == 0:
+                entropy = entropy.detach()  # a metric only: no backward through it
             dev = log_probs.device
             return compute_actor_loss(
                 micro_batch.old_log_probs.to(dev), log_probs, micro_batch.advantages.to(dev),
-                micro_batch.response_mask.to(dev), loss_config, scale, entropy=entropy,
-                ref_log_probs=micro_batch.ref_log_probs.to(dev) if loss_config.use_kl_loss else None,
+                micro_batch.response_mask.to(dev), config, scale, entropy=entropy,
+                ref_log_probs=micro_batch.ref_log_probs.to(dev) if config.use_kl_loss else None,
             )
 
-        return self.run_updates(batch, self.config.update_schedule(), loss_fn, "actor")
+        return self.run_updates(batch, self.schedule, loss_fn, "actor")
 
 
 class ReferencePolicy(_PolicyMixin, MegatronWorker):
-    """The frozen reference policy, in its own layout; forward-only (no optimizer, no grads)."""
+    """The frozen reference policy on the actor's layout; forward-only (no optimizer, no grads).
 
-    def __init__(self, model_chunks, config: ActorConfig, *, use_remove_padding: bool = True) -> None:
+    Args:
+        model_chunks: the reference's chunks (the actor's initial weights).
+        config: ``actor_rollout_ref.ref``: the log-prob pass's micro-batches.
+        use_dynamic_bsz: batch by token budget, as the actor does (``actor.use_dynamic_bsz``).
+        use_remove_padding: THD sequence packing.
+    """
+
+    def __init__(self, model_chunks, config: RefConfig, *, use_dynamic_bsz: bool, use_remove_padding: bool = True
+                 ) -> None:
         for chunk in model_chunks:
             chunk.requires_grad_(False)
         super().__init__(model_chunks, use_remove_padding=use_remove_padding)
-        self.config = config
+        self.log_prob_batches = MicroBatchConfig.of(config.log_prob_micro_batch_size_per_gpu, use_dynamic_bsz,
+                                                    config.log_prob_max_token_len_per_gpu)
 
-    def compute_ref_log_probs(self, batch: RolloutBatch) -> torch.Tensor:
+    def compute_ref_log_probs(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
         """log pi_ref of the responses, ``[B, R]`` float32 on every rank."""
-        return self.compute_log_probs(batch, self.config.log_prob_micro_batches(), self.config.temperature)["log_probs"]
+        return self.compute_log_probs(batch, self.log_prob_batches, temperature)["log_probs"]

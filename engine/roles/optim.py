@@ -1,68 +1,25 @@
-"""Training wrappers: megatron DDP, the (distributed) AdamW optimizer and its LR schedule."""
+"""Training wrappers: megatron DDP, the (distributed) AdamW optimizer and its LR schedule.
+
+The settings are ``*.optim`` (:class:`engine.config.OptimConfig`) and
+``*.megatron.use_distributed_optimizer``; the precision is the model's own (``TransformerConfig.bf16``
+/ ``fp16``, from ``megatron.param_dtype``): 16-bit parameters get fp32 main weights, fp32 gradient
+buffers and fp32 Adam moments; fp16 adds megatron's dynamic loss scaling.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """``actor_rollout_ref.actor.optim.*`` / ``critic.optim.*``.
-
-    Attributes:
-        lr: peak learning rate.
-        betas: AdamW (beta1, beta2).
-        eps: AdamW epsilon.
-        weight_decay: decoupled weight decay (megatron skips biases and norm weights).
-        max_grad_norm: global gradient-norm clip; <= 0 disables clipping (the norm is still reported).
-        lr_warmup_steps: linear warm-up from 0 over this many optimizer steps.
-        lr_decay_style: one of ``LR_DECAY_STYLES`` after warm-up.
-        min_lr: floor of the decayed learning rate.
-        use_distributed_optimizer: shard optimizer state over data-parallel ranks (ZeRO-1).
-
-    The precision is the model's own (``TransformerConfig.bf16`` / ``fp16``, from
-    ``megatron.param_dtype``): 16-bit parameters get fp32 main weights, fp32 gradient buffers and
-    fp32 Adam moments; fp16 adds megatron's dynamic loss scaling.
-    """
-
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
-    lr_warmup_steps: int = 0
-    lr_decay_style: str = "constant"
-    min_lr: float = 0.0
-    use_distributed_optimizer: bool = True
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas}")
-        if self.weight_decay < 0:
-            raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
-        if self.lr_warmup_steps < 0:
-            raise ValueError(f"optim.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
-        if self.lr_decay_style not in LR_DECAY_STYLES:
-            raise ValueError(f"optim.lr_decay_style={self.lr_decay_style!r}; choose one of {LR_DECAY_STYLES}")
-        if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"optim.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
-
+from engine.config.model import OptimConfig
 
 def is_half_precision(model_config) -> bool:
     """Whether a megatron ``TransformerConfig`` holds 16-bit (bf16 / fp16) parameters."""
     return bool(model_config.bf16 or model_config.fp16)
 
 
-def wrap_for_training(
-    model_chunks: Sequence[torch.nn.Module], config: OptimConfig
-) -> list[torch.nn.Module]:
+def wrap_for_training(model_chunks: Sequence[torch.nn.Module], use_distributed_optimizer: bool) -> list[torch.nn.Module]:
     """megatron DDP around each chunk (16-bit models inside megatron's Float16Module, which casts
     the last stage's output to fp32), with ``finalize_model_grads`` hooked into the model config:
     the DP gradient reduce(-scatter), the sequence-parallel norm-gradient all-reduce and
@@ -76,7 +33,7 @@ def wrap_for_training(
 
     model_config = model_chunks[0].config
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=config.use_distributed_optimizer, grad_reduce_in_fp32=True
+        use_distributed_optimizer=use_distributed_optimizer, grad_reduce_in_fp32=True
     )
     wrapped = []
     for chunk in model_chunks:
@@ -86,9 +43,8 @@ def wrap_for_training(
     return wrapped
 
 
-def build_optimizer(
-    ddp_chunks: Sequence[torch.nn.Module], config: OptimConfig, total_training_steps: int
-):
+def build_optimizer(ddp_chunks: Sequence[torch.nn.Module], config: OptimConfig, total_training_steps: int,
+                    use_distributed_optimizer: bool):
     """megatron-core AdamW over ``ddp_chunks`` and its ``OptimizerParamScheduler``.
 
     ``total_training_steps`` counts optimizer steps (mini-batch updates over the whole run): the
@@ -116,12 +72,12 @@ def build_optimizer(
             params_dtype=model_config.params_dtype,
             # fp16: dynamic loss scaling (None = dynamic), from 2^16 as Megatron-LM's examples do.
             initial_loss_scale=2.0**16,
-            use_distributed_optimizer=config.use_distributed_optimizer,
+            use_distributed_optimizer=use_distributed_optimizer,
         ),
         list(ddp_chunks),
     )
     model_config.grad_scale_func = optimizer.scale_loss
-    warmup = min(config.lr_warmup_steps, total_training_steps)
+    warmup = config.warmup_steps(total_training_steps)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if warmup > 0 else config.lr,

@@ -64,6 +64,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             _all_reduce(entropy, dist.ReduceOp.SUM, group)
 
         ctx.save_for_backward(log_softmax, safe_targets, owned, entropy if compute_entropy else log_softmax.new_zeros((0,)))
+        # An output the loss does not use (the entropy kept as a metric) then gets None, not zeros,
+        # and its term of the backward pass is skipped.
+        ctx.set_materialize_grads(False)
         ctx.temperature = temperature
         ctx.local_width = local_width
         ctx.input_dtype = logits.dtype
@@ -76,10 +79,12 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     def backward(ctx, grad_log_probs, grad_entropy):
         log_softmax, safe_targets, owned, entropy = ctx.saved_tensors
         probs = log_softmax.exp()
-        grad = probs * (-grad_log_probs.unsqueeze(-1))
-        if log_softmax.shape[-1] > 0:
-            grad.scatter_add_(-1, safe_targets.unsqueeze(-1), (grad_log_probs * owned).unsqueeze(-1))
-        if ctx.compute_entropy:
+        grad = torch.zeros_like(log_softmax)
+        if grad_log_probs is not None:
+            grad.sub_(probs * grad_log_probs.unsqueeze(-1))
+            if log_softmax.shape[-1] > 0:
+                grad.scatter_add_(-1, safe_targets.unsqueeze(-1), (grad_log_probs * owned).unsqueeze(-1))
+        if ctx.compute_entropy and grad_entropy is not None:
             grad.sub_(grad_entropy.unsqueeze(-1) * probs * (log_softmax + entropy.unsqueeze(-1)))
         grad.div_(ctx.temperature)
         if grad.shape[-1] != ctx.local_width:

@@ -40,6 +40,7 @@ from engine.batching import (
     split_for_data_parallel,
     token_budget_micro_batches,
 )
+from engine.config.model import OptimConfig
 from engine.roles.batch import RolloutBatch
 from parallel.state import device
 
@@ -58,6 +59,13 @@ class MicroBatchConfig:
     micro_batch_size_per_gpu: int = 1
     use_dynamic_bsz: bool = False
     max_token_len_per_gpu: int = 16384
+
+    @classmethod
+    def of(cls, micro_batch_size_per_gpu: int | None, use_dynamic_bsz: bool, max_token_len_per_gpu: int
+           ) -> "MicroBatchConfig":
+        """From a role's ``*micro_batch_size_per_gpu`` (null is allowed with dynamic batching, which
+        does not use it) and ``*max_token_len_per_gpu`` settings."""
+        return cls(micro_batch_size_per_gpu or 1, use_dynamic_bsz, max_token_len_per_gpu)
 
     def __post_init__(self) -> None:
         if self.micro_batch_size_per_gpu < 1:
@@ -293,14 +301,12 @@ class UpdateSchedule:
 
     Attributes:
         ppo_epochs: passes over the batch.
-        ppo_mini_batch_size: sequences per optimizer step, over all data-parallel ranks (the
-            trainer multiplies a per-prompt setting by ``rollout.n``).
+        ppo_mini_batch_size: sequences per optimizer step, over all data-parallel ranks (a role's
+            ``ppo_mini_batch_size`` counts prompts: times ``rollout.n``).
         micro_batches: how each rank's share of a mini-batch is cut.
         shuffle: reshuffle the batch into mini-batches every epoch (seeded; the same on every
             rank and for every layout, so layouts see identical mini-batches).
         seed: base seed of the shuffling; each update call advances it.
-        max_response_length: the Dr.GRPO normaliser (``data.max_response_length``); None uses the
-            batch's response width.
     """
 
     ppo_epochs: int = 1
@@ -308,7 +314,6 @@ class UpdateSchedule:
     micro_batches: MicroBatchConfig = MicroBatchConfig()
     shuffle: bool = True
     seed: int = 0
-    max_response_length: int | None = None
 
     def __post_init__(self) -> None:
         if self.ppo_epochs < 1:
@@ -320,14 +325,15 @@ class UpdateSchedule:
 class TrainableWorker(MegatronWorker):
     """A worker with megatron DDP, optimizer and LR schedule, running PPO-style updates."""
 
-    def __init__(self, model_chunks, optim_config, total_training_steps: int, *, use_remove_padding: bool = True):
+    def __init__(self, model_chunks, optim: OptimConfig, total_optimizer_steps: int, *,
+                 use_distributed_optimizer: bool, use_remove_padding: bool = True):
         from engine.roles.optim import build_optimizer, wrap_for_training
 
         _check_tensor_parallel_attributes(model_chunks)
-        ddp_chunks = wrap_for_training(model_chunks, optim_config)
+        ddp_chunks = wrap_for_training(model_chunks, use_distributed_optimizer)
         super().__init__(model_chunks, use_remove_padding=use_remove_padding, ddp_chunks=ddp_chunks)
-        self.optim_config = optim_config
-        self.optimizer, self.lr_scheduler = build_optimizer(ddp_chunks, optim_config, total_training_steps)
+        self.optimizer, self.lr_scheduler = build_optimizer(ddp_chunks, optim, total_optimizer_steps,
+                                                            use_distributed_optimizer)
         self.num_update_calls = 0
 
     def run_updates(
@@ -354,7 +360,6 @@ class TrainableWorker(MegatronWorker):
             )
         generator = torch.Generator().manual_seed(schedule.seed + self.num_update_calls)
         self.num_update_calls += 1
-        max_response_length = schedule.max_response_length or batch.response_length
         totals: dict[str, float] = {}
         averaged_over: dict[str, int] = {}  # optimizer steps that reported each metric
         for _ in range(schedule.ppo_epochs):
@@ -368,7 +373,8 @@ class TrainableWorker(MegatronWorker):
                 counts = count_tokens_and_sequences([local.response_mask]).to(device())
                 if self.dp_size > 1:
                     dist.all_reduce(counts, group=self.dp_group)
-                scale = LossScale.from_counts(counts.cpu(), max_response_length=max_response_length)
+                # The Dr.GRPO normaliser: responses are padded to data.max_response_length.
+                scale = LossScale.from_counts(counts.cpu(), max_response_length=batch.response_length)
                 # megatron averages over micro-batches (schedule) and DP ranks (DDP); the shares
                 # must be summed, so undo both averages.
                 undo_averaging = len(micro_batches) * self.dp_size

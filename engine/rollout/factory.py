@@ -1,31 +1,35 @@
-"""Build a rollout engine by name: ``"torch"`` (embedded, the CPU default) or ``"sglang"`` (servers)."""
+"""Build the rollout engine ``rollout.name`` names: "torch" (embedded, the CPU default) or "sglang" (servers)."""
 from __future__ import annotations
 
 from typing import Any
 
+from engine.config.actor_rollout_ref import RolloutConfig
 from engine.rollout.base import RolloutEngine
 
 ROLLOUT_ENGINE_NAMES = ("torch", "sglang")
 
 
-def create_rollout_engine(name: str, **config: Any) -> RolloutEngine:
-    """``create_rollout_engine("torch", model_path=...)`` or ``("sglang", model_path=..., run_dir=...)``.
+def create_rollout_engine(rollout: RolloutConfig, model_path: str, **launch: Any) -> RolloutEngine:
+    """The engine for ``rollout`` (``actor_rollout_ref.rollout``) serving ``model_path``.
 
-    Keyword arguments are the fields of ``TorchRolloutConfig`` / ``SGLangRolloutConfig``.
+    ``launch``: how this process runs it, the keyword arguments of ``TorchRolloutEngine``
+    (``max_batch_size``, ``device``, ...) or the fields of ``SGLangRolloutConfig`` (``run_dir``,
+    ``replica_gpus``, ``random_seed``, ...).
     """
-    if name == "torch":
-        from engine.rollout.torch_engine import TorchRolloutConfig, TorchRolloutEngine
+    if rollout.name == "torch":
+        from engine.rollout.torch_engine import TorchRolloutEngine
 
-        config_class, engine_class = TorchRolloutConfig, TorchRolloutEngine
-    elif name == "sglang":
+        try:
+            return TorchRolloutEngine(model_path, rollout, **launch)
+        except TypeError as error:
+            raise TypeError(f"bad settings for the 'torch' rollout engine: {error}") from None
+    if rollout.name == "sglang":
         # Imported only here: the SGLang tier (requests, sglang) is optional on CPU machines.
         from engine.rollout.sglang_engine import SGLangRolloutConfig, SGLangRolloutEngine
 
-        config_class, engine_class = SGLangRolloutConfig, SGLangRolloutEngine
-    else:
-        raise ValueError(f"rollout engine {name!r} is not one of {ROLLOUT_ENGINE_NAMES}")
-    try:
-        engine_config = config_class(**config)
-    except TypeError as error:
-        raise TypeError(f"bad settings for the {name!r} rollout engine ({config_class.__name__}): {error}") from None
-    return engine_class(engine_config)
+        try:
+            config = SGLangRolloutConfig(model_path=model_path, rollout=rollout, **launch)
+        except TypeError as error:
+            raise TypeError(f"bad settings for the 'sglang' rollout engine (SGLangRolloutConfig): {error}") from None
+        return SGLangRolloutEngine(config)
+    raise ValueError(f"rollout engine {rollout.name!r} is not one of {ROLLOUT_ENGINE_NAMES}")

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import torch
 
+from engine.config.actor_rollout_ref import RolloutConfig
 from engine.rollout.base import (
     MEMORY_TAGS,
     PauseMode,
@@ -48,49 +49,40 @@ WeightTransport = Literal["tensor", "distributed"]
 
 @dataclasses.dataclass
 class SGLangRolloutConfig:
-    """Settings of the SGLang backend."""
+    """How this process starts and drives its SGLang servers (the user's settings are ``rollout``)."""
 
     # HF model folder the servers load at start-up (later weights arrive by push).
     model_path: str
     # Server logs go here: sglang_replica{i}.log
     run_dir: str
-    tensor_model_parallel_size: int = 1
+    # actor_rollout_ref.rollout: generation TP, dtype, memory fraction, mode, timeouts.
+    rollout: RolloutConfig
     # One server per entry: the node-local GPU ids of its TP ranks, in TP order (see
     # HybridLayout.replica_placements); () = SGLang's default devices (GPUs 0.., or the CPU).
     replica_gpus: tuple[tuple[int, ...], ...] = ((),)
-    # Maps to --mem-fraction-static.
-    gpu_memory_utilization: float = 0.6
-    dtype: str = "auto"
     context_length: int | None = None
     max_total_tokens: int | None = None
     weight_transport: WeightTransport = "tensor"
-    # Colocated with training: start servers with --enable-memory-saver (GPU) for release/resume.
-    colocated: bool = True
     host: str = "127.0.0.1"
     # Address the servers use to reach this process for the distributed weight-update group.
     weight_update_master_address: str = "127.0.0.1"
     max_concurrent_requests: int = 256
-    startup_timeout_s: float = 600.0
-    request_timeout_s: float = 3600.0
-    weight_update_timeout_s: float = 600.0
     random_seed: int | None = None
+    trust_remote_code: bool = False
     extra_server_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.tensor_model_parallel_size < 1:
-            raise ValueError(f"SGLangRolloutConfig.tensor_model_parallel_size={self.tensor_model_parallel_size} must be >= 1")
+        tp = self.rollout.tensor_model_parallel_size
         self.replica_gpus = tuple(tuple(gpus) for gpus in self.replica_gpus)
         if not self.replica_gpus:
             raise ValueError("SGLangRolloutConfig.replica_gpus must name at least one replica")
         for gpus in self.replica_gpus:
-            if gpus and len(gpus) != self.tensor_model_parallel_size:
+            if gpus and len(gpus) != tp:
                 raise ValueError(f"SGLangRolloutConfig.replica_gpus entry {gpus} must hold "
-                                 f"tensor_model_parallel_size={self.tensor_model_parallel_size} GPUs")
+                                 f"rollout.tensor_model_parallel_size={tp} GPUs")
         used = [gpu for gpus in self.replica_gpus for gpu in gpus]
         if len(used) != len(set(used)):
             raise ValueError(f"SGLangRolloutConfig.replica_gpus={self.replica_gpus} gives a GPU to two servers")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"SGLangRolloutConfig.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.weight_transport not in ("tensor", "distributed"):
             raise ValueError(f"SGLangRolloutConfig.weight_transport={self.weight_transport!r} must be 'tensor' or 'distributed'")
 
@@ -153,17 +145,14 @@ class SGLangRolloutEngine(RolloutEngine):
                 SGLangServerConfig(
                     model_path=config.model_path,
                     log_path=run_dir / f"sglang_replica{i}.log",
+                    rollout=config.rollout,
                     host=config.host,
-                    tensor_model_parallel_size=config.tensor_model_parallel_size,
-                    gpu_memory_utilization=config.gpu_memory_utilization,
-                    dtype=config.dtype,
                     gpu_ids=gpus,
                     context_length=config.context_length,
                     max_total_tokens=config.max_total_tokens,
-                    enable_memory_saver=config.colocated,
                     random_seed=config.random_seed,
+                    trust_remote_code=config.trust_remote_code,
                     extra_args=tuple(config.extra_server_args),
-                    startup_timeout_s=config.startup_timeout_s,
                 )
             )
             for i, gpus in enumerate(config.replica_gpus)
@@ -200,7 +189,7 @@ class SGLangRolloutEngine(RolloutEngine):
     def _weight_request_on_all_servers(self, path: str, payload: dict[str, Any]) -> None:
         """A weight-update request; a refusal (HTTP 400 or success=false) is a WeightUpdateError."""
         try:
-            answers = self._on_all_servers(path, payload, self.config.weight_update_timeout_s)
+            answers = self._on_all_servers(path, payload, self.config.rollout.weight_update_timeout_s)
         except SGLangServerCrashed:
             raise
         except RolloutError as error:
@@ -221,7 +210,7 @@ class SGLangRolloutEngine(RolloutEngine):
                 self.servers[i % len(self.servers)].post,
                 "/generate",
                 {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True},
-                self.config.request_timeout_s,
+                self.config.rollout.request_timeout_s,
             )
             for i, prompt in enumerate(prompts)
         ]
@@ -286,7 +275,7 @@ class SGLangRolloutEngine(RolloutEngine):
 
             monkey_patch_torch_reductions()
         payload = {"flattened_tensor": flat, "metadata": bucket.get_metadata()}
-        tp = self.config.tensor_model_parallel_size
+        tp = self.config.rollout.tensor_model_parallel_size
         # One serialization per TP rank: each rank must open its own handle (CUDA IPC refcounts).
         request = {
             "serialized_named_tensors": [MultiprocessingSerializer.serialize(payload, output_str=True) for _ in range(tp)],
@@ -298,7 +287,7 @@ class SGLangRolloutEngine(RolloutEngine):
     def _init_weight_update_group(self) -> None:
         from sglang.srt.utils import init_custom_process_group
 
-        tp = self.config.tensor_model_parallel_size
+        tp = self.config.rollout.tensor_model_parallel_size
         world_size = 1 + len(self.servers) * tp
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         address = self.config.weight_update_master_address
@@ -318,7 +307,7 @@ class SGLangRolloutEngine(RolloutEngine):
                     "group_name": group_name,
                     "backend": backend,
                 },
-                self.config.weight_update_timeout_s,
+                self.config.rollout.weight_update_timeout_s,
             )
             for i, server in enumerate(self.servers)
         ]
@@ -328,7 +317,7 @@ class SGLangRolloutEngine(RolloutEngine):
             world_size=world_size,
             rank=0,
             group_name=group_name,
-            timeout=datetime.timedelta(seconds=self.config.weight_update_timeout_s),
+            timeout=datetime.timedelta(seconds=self.config.rollout.weight_update_timeout_s),
         )
         self._check_success("/init_weights_update_group", [future.result() for future in futures])
         self._weight_update_group, self._weight_update_group_name = group, group_name
@@ -346,7 +335,7 @@ class SGLangRolloutEngine(RolloutEngine):
             "load_format": "flattened_bucket",
             "flush_cache": False,
         }
-        timeout = self.config.weight_update_timeout_s
+        timeout = self.config.rollout.weight_update_timeout_s
         answers = [self._control_pool.submit(server.post, "/update_weights_from_distributed", request, timeout) for server in self.servers]
         work = torch.distributed.broadcast(bucket.get_flattened_tensor(), src=0, group=self._weight_update_group, async_op=True)
         deadline = time.monotonic() + timeout
@@ -360,7 +349,8 @@ class SGLangRolloutEngine(RolloutEngine):
                     raise WeightUpdateError(f"distributed weight update rejected: {message}")
             if time.monotonic() > deadline:
                 self._abandon_weight_update_group()
-                raise WeightUpdateError(f"distributed weight broadcast did not complete within {timeout:.0f}s")
+                raise WeightUpdateError(f"distributed weight broadcast did not complete within {timeout:.0f}s "
+                                        "(actor_rollout_ref.rollout.weight_update_timeout_s)")
             time.sleep(0.001)
         work.wait()
         self._check_success("/update_weights_from_distributed", [answer.result(timeout=timeout) for answer in answers])
@@ -383,7 +373,7 @@ class SGLangRolloutEngine(RolloutEngine):
         # are still running (pause mode "in_place"): those keep their old KV by design.
         for server in self.servers:
             try:
-                server.post("/flush_cache", {}, timeout=self.config.weight_update_timeout_s)
+                server.post("/flush_cache", {}, timeout=self.config.rollout.weight_update_timeout_s)
             except RolloutError as error:
                 logger.warning("cache not flushed after the weight update on %s: %s", server.url, error)
 

@@ -21,11 +21,16 @@ from typing import Any, Sequence
 
 import requests
 
+from engine.config.actor_rollout_ref import RolloutConfig
+from engine.lifecycle import forget_process_group, watch_process_group
 from engine.rollout.base import RolloutError
 from engine.rollout.sglang_cpu import adapt_server_for_cpu, needs_cpu_adaptation
 from parallel.state import find_free_port
 
 LOG_TAIL_LINES = 30
+# The setting that bounds each request, named when it times out (control and weight requests use
+# the weight-update timeout).
+TIMEOUT_SETTINGS = {"/generate": "actor_rollout_ref.rollout.request_timeout_s"}
 
 
 class SGLangServerCrashed(RolloutError):
@@ -34,27 +39,24 @@ class SGLangServerCrashed(RolloutError):
 
 @dataclasses.dataclass
 class SGLangServerConfig:
-    """How to launch one SGLang server."""
+    """How to launch one SGLang server (the user's settings are ``rollout``)."""
 
     model_path: str
     log_path: Path
+    # actor_rollout_ref.rollout: --tp-size, --dtype, --mem-fraction-static, the memory saver
+    # (colocated mode) and the start-up timeout.
+    rollout: RolloutConfig
     host: str = "127.0.0.1"
     # None: a free port is chosen.
     port: int | None = None
-    tensor_model_parallel_size: int = 1
-    # --mem-fraction-static: share of accelerator memory for weights + KV cache.
-    gpu_memory_utilization: float = 0.6
-    dtype: str = "auto"
     # Node-local GPU indices (the launching process's CUDA numbering) of the server's TP ranks, in
     # TP order; empty = SGLang's default (GPUs 0..tp-1). The server sees only these GPUs.
     gpu_ids: tuple[int, ...] = ()
     context_length: int | None = None
     max_total_tokens: int | None = None
-    # --enable-memory-saver: lets release/resume_memory_occupation free GPU memory (colocated mode).
-    enable_memory_saver: bool = False
     random_seed: int | None = None
+    trust_remote_code: bool = False
     extra_args: tuple[str, ...] = ()
-    startup_timeout_s: float = 600.0
     python_executable: str = sys.executable
 
 
@@ -116,9 +118,9 @@ class SGLangServer:
             "--host", cfg.host,
             "--port", str(self.port),
             "--nccl-port", str(find_free_port(cfg.host)),
-            "--tp-size", str(cfg.tensor_model_parallel_size),
-            "--mem-fraction-static", str(cfg.gpu_memory_utilization),
-            "--dtype", cfg.dtype,
+            "--tp-size", str(cfg.rollout.tensor_model_parallel_size),
+            "--mem-fraction-static", str(cfg.rollout.gpu_memory_utilization),
+            "--dtype", cfg.rollout.dtype,
             # The trainer sends token ids and reads token ids back.
             "--skip-tokenizer-init",
             # An idle scheduler otherwise spins a CPU core per server for the whole training phase
@@ -131,11 +133,13 @@ class SGLangServer:
             args += ["--max-total-tokens", str(cfg.max_total_tokens)]
         if cfg.random_seed is not None:
             args += ["--random-seed", str(cfg.random_seed)]
+        if cfg.trust_remote_code:
+            args.append("--trust-remote-code")
         env = dict(os.environ)
         if needs_cpu_adaptation():
-            args, env = adapt_server_for_cpu(args, env, cfg.tensor_model_parallel_size)
+            args, env = adapt_server_for_cpu(args, env, cfg.rollout.tensor_model_parallel_size)
         else:
-            if cfg.enable_memory_saver:
+            if cfg.rollout.mode == "colocated":  # release/resume memory occupation between phases
                 args.append("--enable-memory-saver")
             if cfg.gpu_ids:
                 env["CUDA_VISIBLE_DEVICES"] = visible_devices(cfg.gpu_ids, env.get("CUDA_VISIBLE_DEVICES"))
@@ -154,11 +158,13 @@ class SGLangServer:
             self.process = subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
             )
+        # Its own session (a job signal does not reach it half-way), so this rank's reaper must know it.
+        watch_process_group(self.process.pid)
         _LIVE_SERVERS.add(self)
 
     def wait_until_ready(self) -> None:
         """Poll ``/health`` until it answers 200; raise if the process dies or time runs out."""
-        deadline = time.monotonic() + self.config.startup_timeout_s
+        deadline = time.monotonic() + self.config.rollout.startup_timeout_s
         while time.monotonic() < deadline:
             self.raise_if_crashed(grace_s=0.0)
             try:
@@ -169,7 +175,8 @@ class SGLangServer:
             time.sleep(1.0)
         self.stop()
         raise RolloutError(
-            f"SGLang server at {self.url} was not ready after {self.config.startup_timeout_s:.0f}s; "
+            f"SGLang server at {self.url} was not ready after {self.config.rollout.startup_timeout_s:.0f}s "
+            f"(actor_rollout_ref.rollout.startup_timeout_s); "
             f"log {self.log_path}, last lines:\n{self.log_tail()}"
         )
 
@@ -205,6 +212,11 @@ class SGLangServer:
         """POST JSON and return the decoded body; crashes and HTTP errors raise with context."""
         try:
             response = self._session().post(self.url + path, json=payload or {}, timeout=timeout)
+        except requests.Timeout as error:
+            self.raise_if_crashed(grace_s=0.0)
+            setting = TIMEOUT_SETTINGS.get(path, "actor_rollout_ref.rollout.weight_update_timeout_s")
+            raise RolloutError(f"request {path} to SGLang server {self.url} got no answer within {timeout}s "
+                               f"({setting}); log {self.log_path}") from error
         except requests.RequestException as error:
             self.raise_if_crashed()
             raise RolloutError(f"request {path} to SGLang server {self.url} failed: {error}; log {self.log_path}") from error
@@ -254,4 +266,6 @@ class SGLangServer:
             self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
+        if not live_processes_in_group(self.process.pid):
+            forget_process_group(self.process.pid)
         _LIVE_SERVERS.discard(self)

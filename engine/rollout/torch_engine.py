@@ -7,13 +7,13 @@ logits processor that both filters the distribution and records the log-prob of 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import threading
 from collections.abc import Sequence
 
 import torch
 import transformers
 
+from engine.config.actor_rollout_ref import RolloutConfig
 from engine.rollout.base import (
     MEMORY_TAGS,
     WEIGHTS,
@@ -27,21 +27,6 @@ from engine.rollout.base import (
     check_pause_mode,
     validate_prompts,
 )
-
-
-@dataclasses.dataclass
-class TorchRolloutConfig:
-    """Settings of the embedded engine."""
-
-    # HF model folder (config.json + safetensors).
-    model_path: str
-    dtype: str = "float32"
-    # None: "cuda" when a GPU is present, else "cpu".
-    device: str | None = None
-    # Rows (prompt x sample) per ``model.generate`` call.
-    max_batch_size: int = 64
-    # Left-padding id; None: the model's pad_token_id, else 0 (padding is masked, any id works).
-    pad_token_id: int | None = None
 
 
 def model_eos_token_ids(model_config: transformers.PretrainedConfig, generation_config: transformers.GenerationConfig | None) -> set[int]:
@@ -125,24 +110,36 @@ def _return_freed_heap_to_the_os() -> None:
 
 
 class TorchRolloutEngine(RolloutEngine):
-    """Rollout with transformers' ``generate`` on a model held in this process."""
+    """Rollout with transformers' ``generate`` on a model held in this process.
 
-    def __init__(self, config: TorchRolloutConfig):
-        self.config = config
-        if config.max_batch_size < 1:
-            raise ValueError(f"TorchRolloutConfig.max_batch_size={config.max_batch_size} must be >= 1")
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = getattr(torch, config.dtype, None)
+    Args:
+        model_path: HF model folder (config.json + safetensors).
+        rollout: ``actor_rollout_ref.rollout``: the engine serves ``rollout.dtype``.
+        device: None: "cuda" (this rank's GPU) when a GPU is present, else "cpu".
+        max_batch_size: rows (prompt x sample) per ``model.generate`` call.
+        pad_token_id: the left-padding id; None: the model's pad_token_id, else 0 (padding is
+            masked, any id works).
+        trust_remote_code: ``model.trust_remote_code``.
+    """
+
+    def __init__(self, model_path: str, rollout: RolloutConfig, *, device: str | None = None, max_batch_size: int = 64,
+                 pad_token_id: int | None = None, trust_remote_code: bool = False):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
+        self.max_batch_size = max_batch_size
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = getattr(torch, rollout.dtype, None)
         if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"TorchRolloutConfig.dtype={config.dtype!r} is not a torch dtype name")
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype).to(self.device)
+            raise ValueError(f"actor_rollout_ref.rollout.dtype={rollout.dtype!r} is not a torch dtype name")
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=dtype, trust_remote_code=trust_remote_code).to(self.device)
         self.model.eval()
         self.eos_token_ids = model_eos_token_ids(self.model.config, self.model.generation_config)
         # Sampling comes only from SamplingParams: the checkpoint's generation defaults (top_k=50,
         # repetition penalties, ...) would otherwise fill every field we leave unset.
         self.model.generation_config = transformers.GenerationConfig()
         self.vocab_size = self.model.config.vocab_size
-        pad = config.pad_token_id if config.pad_token_id is not None else self.model.config.pad_token_id
+        pad = pad_token_id if pad_token_id is not None else self.model.config.pad_token_id
         self.pad_token_id = 0 if pad is None else int(pad)
         # Every name a pushed tensor may carry, tied aliases included (lm_head.weight -> embed).
         self._named_state = self.model.state_dict(keep_vars=True)
@@ -169,8 +166,8 @@ class TorchRolloutEngine(RolloutEngine):
         epoch = self._abort_epoch
         rows = [prompt for prompt in prompts for _ in range(sampling_params.n)]
         samples: list[RolloutSample] = []
-        for start in range(0, len(rows), self.config.max_batch_size):
-            chunk = rows[start : start + self.config.max_batch_size]
+        for start in range(0, len(rows), self.max_batch_size):
+            chunk = rows[start : start + self.max_batch_size]
             if self._abort_epoch != epoch:
                 samples.extend(RolloutSample([], [], "abort") for _ in chunk)
             else:

@@ -2,7 +2,6 @@
 
 from engine.sync.specs import owner_of, parameter_specs
 from engine.sync.weight_sync import (
-    WeightSyncConfig,
     WeightSynchronizer,
     WeightSyncReport,
     check_by_log_probs,
@@ -13,6 +12,6 @@ from engine.sync.weight_sync import (
 )
 
 __all__ = [
-    "WeightSyncConfig", "WeightSyncReport", "WeightSynchronizer", "check_by_log_probs", "check_engine_weights",
+    "WeightSyncReport", "WeightSynchronizer", "check_by_log_probs", "check_engine_weights",
     "check_rollout_log_probs", "engine_weights", "expected_log_prob_gap", "owner_of", "parameter_specs",
 ]

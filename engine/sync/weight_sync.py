@@ -1,6 +1,6 @@
 """Actor -> rollout weight sync: the HybridEngine plan for the actor's model, streamed into an engine.
 
-    sync = WeightSynchronizer(actor_chunks, parallel_layout, WeightSyncConfig(...))   # plan once
+    sync = WeightSynchronizer(actor_chunks, parallel_layout, cfg.actor_rollout_ref.rollout)   # plan once
     report = sync.sync(engine)   # every step, on every rank (collective); engine None off-leader
 
 Which ranks push: with the embedded engine or SGLang servers each generation replica has one
@@ -20,6 +20,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from engine.config.actor_rollout_ref import RolloutConfig
 from engine.rollout.base import RolloutEngine, SamplingParams
 from engine.sync.specs import local_parameters, parameter_specs, unwrap
 from parallel.hybrid_engine import (
@@ -39,35 +40,6 @@ from parallel.hybrid_engine import (
 from parallel.layout import ParallelLayout
 from parallel.state import device
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclasses.dataclass
-class WeightSyncConfig:
-    """The ``rollout.*`` keys of the weight sync."""
-
-    # rollout.tensor_model_parallel_size
-    tensor_model_parallel_size: int = 1
-    # rollout.update_weights_bucket_megabytes: staging memory per rank for the transfer.
-    update_weights_bucket_megabytes: float = 512.0
-    # rollout.check_weight_sync: compare fingerprints (or probe log-probs) after every sync.
-    check_weight_sync: bool = False
-    # The dtype the engine serves in; weights are converted to it once, at the source.
-    dtype: str = "bfloat16"
-    target: str = "full"
-    # Overlap the next bucket's communication with pushing the current one.
-    overlap: bool = True
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"rollout dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
-        try:
-            ReshardTarget(self.target)
-        except ValueError:
-            raise ValueError(f"weight sync target {self.target!r} is not one of "
-                             f"{[t.value for t in ReshardTarget]}") from None
-        if not self.update_weights_bucket_megabytes > 0:
-            raise ValueError(f"rollout.update_weights_bucket_megabytes={self.update_weights_bucket_megabytes!r} must be > 0")
 
 
 @dataclasses.dataclass
@@ -85,23 +57,26 @@ class WeightSyncReport:
 class WeightSynchronizer:
     """Plans the actor's training -> generation reshard once and runs it per sync."""
 
-    def __init__(
-        self, model_chunks: Sequence[torch.nn.Module], layout: ParallelLayout, config: WeightSyncConfig
-    ) -> None:
+    def __init__(self, model_chunks: Sequence[torch.nn.Module], layout: ParallelLayout, rollout: RolloutConfig, *,
+                 target: str = "full", overlap: bool = True) -> None:
+        """``rollout``: ``actor_rollout_ref.rollout`` (generation TP, dtype, bucket size, the check);
+        ``target``: a ``ReshardTarget`` value; ``overlap``: communicate the next bucket while the
+        current one is pushed."""
         from megatron.core import parallel_state
 
-        self.config = config
+        self.rollout = rollout
+        self.overlap = overlap
         self.model_chunks = list(model_chunks)
         architecture = unwrap(self.model_chunks[0]).hf_architecture
         training = TrainingLayout.from_parallel_layout(layout, dist.get_world_size())
-        self.layout = HybridLayout(training, GenerationLayout(config.tensor_model_parallel_size))
+        self.layout = HybridLayout(training, GenerationLayout(rollout.tensor_model_parallel_size))
         self.rank = dist.get_rank()
         stage = training.coordinates(self.rank).pipeline
         if stage != parallel_state.get_pipeline_model_parallel_rank():
             raise ValueError("megatron's parallel state does not match the layout's rank order")
         self.specs = parameter_specs(architecture, training)
-        self.dtype = _DTYPES[config.dtype]
-        self.plan = ReshardPlan(self.layout, self.specs, config.target, self.dtype)
+        self.dtype = getattr(torch, rollout.dtype)
+        self.plan = ReshardPlan(self.layout, self.specs, ReshardTarget(target), self.dtype)
         self.groups = build_groups(self.layout, self.plan.tensor_gather_size)
         self._parameters = local_parameters(self.model_chunks, self.specs, stage)
         self.executor = ReshardExecutor(
@@ -114,7 +89,7 @@ class WeightSynchronizer:
         """This rank's received tensors, bucket by bucket (collective: iterate on every rank)."""
         with torch.no_grad():
             yield from self.executor.iter_buckets(
-                self.config.update_weights_bucket_megabytes, overlap=self.config.overlap, fingerprints=fingerprints
+                self.rollout.update_weights_bucket_megabytes, overlap=self.overlap, fingerprints=fingerprints
             )
 
     def sync(self, engine: RolloutEngine | None) -> WeightSyncReport:
@@ -131,7 +106,7 @@ class WeightSynchronizer:
         if engine is not None:
             engine.begin_weight_update()
         try:
-            for bucket in self.iter_weight_shards(fingerprints=self.config.check_weight_sync):
+            for bucket in self.iter_weight_shards(fingerprints=self.rollout.check_weight_sync):
                 if engine is not None:
                     start = time.perf_counter()
                     engine.push_weights([(shard.name, shard.tensor) for shard in bucket])
@@ -141,7 +116,7 @@ class WeightSynchronizer:
             if engine is not None:
                 engine.end_weight_update()
         report = WeightSyncReport(self.executor.stats, self.traffic.received, self.traffic.lower_bound, push_seconds)
-        if self.config.check_weight_sync and engine is not None and engine_weights(engine) is not None:
+        if self.rollout.check_weight_sync and engine is not None and engine_weights(engine) is not None:
             start = time.perf_counter()
             check_engine_weights(engine, self.executor.expected_fingerprints)
             report.check_seconds = time.perf_counter() - start

@@ -9,31 +9,22 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from engine.algo.kl import build_kl_controller
-from engine.config import ExperimentConfig
+from engine.config import ExperimentConfig, MegatronConfig, ModelConfig
 from engine.data import PromptDataLoader, PromptDataset
 from engine.rewards.manager import RewardManager
 from engine.rewards.spmd import reward_manager_for_this_rank
-from engine.roles import (
-    ActorConfig,
-    CriticConfig,
-    MegatronActor,
-    MegatronCritic,
-    OptimConfig,
-    ReferencePolicy,
-)
+from engine.roles import MegatronActor, MegatronCritic, MicroBatchConfig, ReferencePolicy
 from engine.rollout.base import RolloutEngine
-from engine.sync import WeightSyncConfig, WeightSynchronizer
+from engine.sync import WeightSynchronizer
 from engine.trainer.checkpoint import CheckpointManager, CheckpointTarget
 from engine.trainer.run_dir import RunDirectory
 from parallel.hybrid_engine import HybridLayout
-from parallel.state import ranks_per_node
 
 logger = logging.getLogger(__name__)
 
@@ -63,132 +54,94 @@ class PPOComponents:
         return targets
 
 
-def optim_config(section, megatron, total_optimizer_steps: int) -> OptimConfig:
-    """``*.optim`` + ``*.megatron`` -> the roles' optimizer settings."""
-    return OptimConfig(
-        lr=section.lr, betas=tuple(section.betas), eps=section.eps, weight_decay=section.weight_decay,
-        max_grad_norm=section.max_grad_norm, lr_warmup_steps=_warmup_steps(section, total_optimizer_steps),
-        lr_decay_style=section.lr_decay_style, min_lr=section.min_lr,
-        use_distributed_optimizer=megatron.use_distributed_optimizer,
-    )
-
-
-def _warmup_steps(section, total_optimizer_steps: int) -> int:
-    # verl's convention: lr_warmup_steps < 0 means "use the ratio".
-    if section.lr_warmup_steps >= 0:
-        return section.lr_warmup_steps
-    return int(section.lr_warmup_steps_ratio * total_optimizer_steps)
-
-
-def _build_model(model, megatron, layout, value_head: bool, trained: bool = True):
+def _build_model(model: ModelConfig, megatron: MegatronConfig, value_head: bool, trained: bool = True):
     """This rank's chunks of ``model.path`` in ``megatron.param_dtype``, HF weights loaded.
 
+    The model is initialised under its own ``megatron.seed`` (only the critic's value head keeps its
+    initial values), without disturbing the loop's random streams (``trainer.seed``).
     ``model.enable_gradient_checkpointing`` recomputes activations in the backward pass, so it
     applies to trained models only."""
+    from megatron.core import tensor_parallel
+
     from engine.models.checkpoint import load_hf_weights
     from engine.models.gpt import build_model_chunks, recompute_settings
 
-    # initialize_weights=True marks TP-split weights for megatron's grad-norm; the HF load then
-    # overwrites every value (value head excepted on a fresh critic).
-    chunks = build_model_chunks(model.path, layout, value_head=value_head, initialize_weights=True,
-                                params_dtype=getattr(torch, megatron.param_dtype),
-                                **recompute_settings(trained and model.enable_gradient_checkpointing))
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        torch.manual_seed(megatron.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(megatron.seed)
+        # initialize_weights=True marks TP-split weights for megatron's grad-norm; the HF load then
+        # overwrites every value (value head excepted on a fresh critic).
+        chunks = build_model_chunks(model.path, megatron.layout(), value_head=value_head, initialize_weights=True,
+                                    params_dtype=getattr(torch, megatron.param_dtype),
+                                    **recompute_settings(trained and model.enable_gradient_checkpointing))
     load_hf_weights(chunks, model.path)
     return chunks
 
 
 def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
-    """Build the PPO run's pieces on this rank; collective (every rank calls it)."""
+    """Build the PPO run's pieces on this rank; collective (every rank calls it). Each component
+    gets its own section of the experiment (``cfg.data``, ``cfg.actor_rollout_ref.actor``, ...)."""
     from megatron.core import parallel_state
     from transformers import AutoTokenizer
 
-    arr = cfg.actor_rollout_ref
-    layout = arr.actor.megatron.layout()
-    n = arr.rollout.n
-    model_path = arr.model.path
-    tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or model_path,
-                                              trust_remote_code=arr.model.trust_remote_code)
+    arr, data = cfg.actor_rollout_ref, cfg.data
+    tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path, trust_remote_code=arr.model.trust_remote_code)
 
     # Data: each data-parallel rank loads its share of every global batch.
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
-    data_config = cfg.data.prompt_data_config()
-    train_set = PromptDataset.from_config(data_config, tokenizer, "train")
-    train_loader = PromptDataLoader.for_training(train_set, data_config, data_parallel_rank=dp_rank,
-                                                 data_parallel_size=dp_size)
+    train_set = PromptDataset.from_config(data, tokenizer, "train")
+    train_loader = PromptDataLoader.for_training(train_set, data, data_parallel_rank=dp_rank, data_parallel_size=dp_size)
     val_loader = None
-    if cfg.data.val_files:
-        val_set = PromptDataset.from_config(data_config, tokenizer, "val")
-        val_loader = PromptDataLoader.for_validation(val_set, data_config, data_parallel_rank=dp_rank,
-                                                     data_parallel_size=dp_size)
+    if data.val_files:
+        val_set = PromptDataset.from_config(data, tokenizer, "val")
+        val_loader = PromptDataLoader.for_validation(val_set, data, data_parallel_rank=dp_rank, data_parallel_size=dp_size)
     rewards = reward_manager_for_this_rank(cfg.reward_model)
     rewards.check_data_sources(train_set.data_sources)
 
-    batches_per_epoch = len(train_set) // cfg.data.train_batch_size
+    batches_per_epoch = len(train_set) // data.train_batch_size
     if batches_per_epoch == 0:
         raise ValueError(f"data.train_files has {len(train_set)} usable prompts, fewer than "
-                         f"data.train_batch_size={cfg.data.train_batch_size}")
+                         f"data.train_batch_size={data.train_batch_size}")
     total_steps = cfg.trainer.total_training_steps or batches_per_epoch * cfg.trainer.total_epochs
+    # The actor sits out the critic's warm-up iterations; its LR schedule spans the ones it trains.
+    actor_iterations = max(1, total_steps - (cfg.critic.warmup_steps if cfg.algorithm.uses_critic else 0))
 
-    # Roles count sequences; the config counts prompts (verl's convention).
-    actor_mini = arr.actor.ppo_mini_batch_size * n
-    optimizer_steps = total_steps * arr.actor.ppo_epochs * (cfg.data.train_batch_size // arr.actor.ppo_mini_batch_size)
-    actor_config = ActorConfig(
-        ppo_epochs=arr.actor.ppo_epochs, ppo_mini_batch_size=actor_mini,
-        ppo_micro_batch_size_per_gpu=arr.actor.ppo_micro_batch_size_per_gpu or 1,
-        use_dynamic_bsz=arr.actor.use_dynamic_bsz, ppo_max_token_len_per_gpu=arr.actor.ppo_max_token_len_per_gpu,
-        log_prob_micro_batch_size_per_gpu=arr.rollout.log_prob_micro_batch_size_per_gpu or 1,
-        log_prob_max_token_len_per_gpu=arr.rollout.log_prob_max_token_len_per_gpu,
-        seed=cfg.trainer.seed, loss=arr.actor.loss_config(),
-        temperature=arr.rollout.temperature if arr.rollout.do_sample and arr.rollout.temperature > 0 else 1.0,
-        max_response_length=cfg.data.max_response_length,
-    )
-    actor_optim = optim_config(arr.actor.optim, arr.actor.megatron, optimizer_steps)
-    remove_padding = arr.model.use_remove_padding
-    actor = MegatronActor(_build_model(arr.model, arr.actor.megatron, layout, False), actor_config, actor_optim,
-                          optimizer_steps, use_remove_padding=remove_padding)
+    n, seed, actor = arr.rollout.n, cfg.trainer.seed, arr.actor
+    actor_role = MegatronActor(
+        _build_model(arr.model, actor.megatron, value_head=False), actor,
+        log_prob_batches=MicroBatchConfig.of(arr.rollout.log_prob_micro_batch_size_per_gpu, actor.use_dynamic_bsz,
+                                             arr.rollout.log_prob_max_token_len_per_gpu),
+        samples_per_prompt=n, total_optimizer_steps=_optimizer_steps(actor_iterations, actor, data), seed=seed,
+        use_remove_padding=arr.model.use_remove_padding)
 
-    needs_reference = cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss
     reference = None
-    if needs_reference:
-        reference = ReferencePolicy(_build_model(arr.model, arr.actor.megatron, layout, False, trained=False),
-                                    actor_config,
-                                    use_remove_padding=remove_padding)
+    if cfg.algorithm.use_kl_in_reward or actor.use_kl_loss:
+        reference = ReferencePolicy(_build_model(arr.model, actor.megatron, value_head=False, trained=False), arr.ref,
+                                    use_dynamic_bsz=actor.use_dynamic_bsz, use_remove_padding=arr.model.use_remove_padding)
 
     critic = None
     if cfg.algorithm.uses_critic:
-        section = cfg.critic
-        critic_config = CriticConfig(
-            ppo_epochs=section.ppo_epochs, ppo_mini_batch_size=section.ppo_mini_batch_size * n,
-            ppo_micro_batch_size_per_gpu=section.ppo_micro_batch_size_per_gpu or 1,
-            use_dynamic_bsz=section.use_dynamic_bsz, ppo_max_token_len_per_gpu=section.ppo_max_token_len_per_gpu,
-            forward_micro_batch_size_per_gpu=section.ppo_micro_batch_size_per_gpu or 1,
-            forward_max_token_len_per_gpu=section.ppo_max_token_len_per_gpu,
-            cliprange_value=section.cliprange_value, loss_agg_mode=section.loss_agg_mode, seed=cfg.trainer.seed,
-            max_response_length=cfg.data.max_response_length,
-        )
-        critic_steps = total_steps * section.ppo_epochs * (cfg.data.train_batch_size // section.ppo_mini_batch_size)
-        critic_optim = optim_config(section.optim, section.megatron, critic_steps)
-        if section.megatron.layout() != layout:
-            raise NotImplementedError("critic.megatron must equal the actor's layout for now (one mesh)")
-        critic = MegatronCritic(_build_model(section.model, section.megatron, layout, True), critic_config,
-                                critic_optim, critic_steps, use_remove_padding=remove_padding)
+        critic = MegatronCritic(_build_model(cfg.critic.model, cfg.critic.megatron, value_head=True), cfg.critic,
+                                samples_per_prompt=n, total_optimizer_steps=_optimizer_steps(total_steps, cfg.critic, data),
+                                seed=seed)
 
-    weight_sync = WeightSynchronizer(actor.model_chunks, layout, WeightSyncConfig(
-        tensor_model_parallel_size=arr.rollout.tensor_model_parallel_size,
-        update_weights_bucket_megabytes=arr.rollout.update_weights_bucket_megabytes,
-        check_weight_sync=arr.rollout.check_weight_sync, dtype=arr.rollout.dtype,
-    ))
+    weight_sync = WeightSynchronizer(actor_role.model_chunks, actor.megatron.layout(), arr.rollout)
     engine = _build_engine(cfg, run, weight_sync.layout) if weight_sync.is_replica_leader else None
     dist.barrier()
 
     return PPOComponents(
-        tokenizer=tokenizer, train_loader=train_loader, val_loader=val_loader, actor=actor, reference=reference,
+        tokenizer=tokenizer, train_loader=train_loader, val_loader=val_loader, actor=actor_role, reference=reference,
         critic=critic, engine=engine, weight_sync=weight_sync, rewards=rewards,
-        kl_controller=build_kl_controller(cfg.algorithm.kl_ctrl.controller_config()),
+        kl_controller=build_kl_controller(cfg.algorithm.kl_ctrl),
         checkpoints=CheckpointManager(run.checkpoints_dir, max_ckpt_to_keep=cfg.trainer.max_ckpt_to_keep),
         total_training_steps=total_steps, data_parallel_group=parallel_state.get_data_parallel_group(),
     )
+
+
+def _optimizer_steps(iterations: int, role, data) -> int:
+    """Optimizer steps of a role over ``iterations`` PPO iterations: epochs x mini-batches per batch."""
+    return iterations * role.ppo_epochs * (data.train_batch_size // role.ppo_mini_batch_size)
 
 
 def _build_engine(cfg: ExperimentConfig, run: RunDirectory, layout: HybridLayout) -> RolloutEngine:
@@ -196,18 +149,14 @@ def _build_engine(cfg: ExperimentConfig, run: RunDirectory, layout: HybridLayout
     of the replica's ranks (``HybridLayout.replica_placements``)."""
     from engine.rollout.factory import create_rollout_engine
 
-    rollout = cfg.actor_rollout_ref.rollout
-    model_path = str(Path(cfg.actor_rollout_ref.model.path))
+    rollout, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
     if rollout.name == "torch":
-        return create_rollout_engine("torch", model_path=model_path, dtype=rollout.dtype)
+        return create_rollout_engine(rollout, model.path, trust_remote_code=model.trust_remote_code)
     gpus: tuple[int, ...] = ()
     if torch.cuda.is_available():
         replica = layout.generation_coordinates(dist.get_rank()).replica
-        gpus = layout.replica_placements(ranks_per_node())[replica].local_devices
-    return create_rollout_engine(
-        "sglang", model_path=model_path, run_dir=str(run.rollout_dir),
-        tensor_model_parallel_size=rollout.tensor_model_parallel_size, replica_gpus=(gpus,),
-        gpu_memory_utilization=rollout.gpu_memory_utilization, dtype=rollout.dtype,
-        colocated=rollout.mode == "colocated", random_seed=cfg.trainer.seed + dist.get_rank(),
-    )
+        gpus = layout.replica_placements(cfg.trainer.n_gpus_per_node)[replica].local_devices
+    return create_rollout_engine(rollout, model.path, run_dir=str(run.rollout_dir), replica_gpus=(gpus,),
+                                 random_seed=cfg.trainer.seed + dist.get_rank(),
+                                 trust_remote_code=model.trust_remote_code)
 

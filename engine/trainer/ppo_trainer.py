@@ -40,7 +40,8 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
     attach_rank_log_file(run, rank)
     if rank == 0:
         run.write_config(cfg)
-        print(f"[trident] run directory: {run.summary()}", flush=True)
+        trainer = cfg.trainer
+        print(f"[trident] {trainer.project_name}/{trainer.experiment_name}: {run.summary()}", flush=True)
     parts = build_components(cfg, run)
     step = resume_from_checkpoint(cfg, parts)
     parts.weight_sync.sync(parts.engine)  # the engine serves exactly the (possibly resumed) actor
@@ -85,26 +86,35 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
     """
     metrics: dict[str, float] = {}
     start = time.perf_counter()
-    algo = cfg.algorithm
+    algo, rollout = cfg.algorithm, cfg.actor_rollout_ref.rollout
+    sampling = rollout.sampling_params(cfg.data.max_response_length)
+    temperature = sampling.log_prob_temperature  # the trainer's log-probs are the engine's distribution
     with phase("gen", metrics):
-        batch, meta, rollout_log_probs = generate(cfg, parts, prompts.repeat_interleave(cfg.actor_rollout_ref.rollout.n))
+        batch, meta, rollout_log_probs = generate(parts, prompts.repeat_interleave(rollout.n), sampling)
+        # ReMax (Li et al. 2023): a greedy response per prompt, whose reward is the baseline.
+        greedy = generate(parts, prompts, replace(sampling, temperature=0.0)) if algo.uses_greedy_baseline else None
         _release_engine_memory(parts, MEMORY_TAGS)
     with phase("old_log_prob", metrics):
-        batch.old_log_probs = parts.actor.compute_old_log_probs(batch)["log_probs"]
-    rollout = cfg.actor_rollout_ref.rollout
+        batch.old_log_probs = parts.actor.compute_old_log_probs(batch, temperature)
     if rollout.check_weight_sync and rollout.name != "torch":  # the embedded engine was checked by fingerprints
         check_rollout_log_probs(rollout_log_probs, batch.old_log_probs, batch.response_mask,
                                 rollout.check_weight_sync_tolerance)
     if parts.reference is not None:
         with phase("ref", metrics):
-            batch.ref_log_probs = parts.reference.compute_ref_log_probs(batch)
+            batch.ref_log_probs = parts.reference.compute_ref_log_probs(batch, temperature)
     if parts.critic is not None:
         with phase("values", metrics):
             batch.values = parts.critic.compute_values(batch)
     with phase("reward", metrics):
         scored = _score(parts, batch, meta)
+        parts.rewards.check_training_step(scored, meta["data_sources"])  # a function that keeps failing stops the run
         scores = torch.as_tensor(scored.scores, dtype=torch.float32)
         rewards = token_level_scores(scores, batch.response_mask)
+        baseline = None
+        if greedy is not None:
+            baseline = torch.as_tensor(_score(parts, *greedy[:2]).scores, dtype=torch.float32)
+            metrics["critic/greedy_score/mean"] = baseline.mean().item()
+            baseline = baseline.repeat_interleave(rollout.n)
     with phase("adv", metrics):
         if algo.use_kl_in_reward:
             rewards, current_kl = apply_kl_penalty(rewards, batch.old_log_probs, batch.ref_log_probs,
@@ -112,16 +122,15 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
             metrics["actor/reward_kl_penalty"] = float(current_kl)
             metrics["actor/reward_kl_penalty_coeff"] = parts.kl_controller.value
             parts.kl_controller.update(float(current_kl), len(batch))
-        advantage = compute_advantages(
-            AdvantageInputs(rewards, batch.response_mask, values=batch.values, group_index=meta["uids"]),
-            algo.advantage_config())
+        advantage = compute_advantages(AdvantageInputs(rewards, batch.response_mask, values=batch.values,
+                                                       group_index=meta["uids"], baseline_scores=baseline), algo)
         batch = replace(batch, advantages=advantage.advantages, returns=advantage.returns)
     if parts.critic is not None:
         with phase("update_critic", metrics):
             metrics.update(parts.critic.update_critic(batch))
     if step > cfg.critic.warmup_steps or parts.critic is None:
         with phase("update_actor", metrics):
-            metrics.update(parts.actor.update_policy(batch))
+            metrics.update(parts.actor.update_policy(batch, temperature))
         metrics["perf/mfu/actor"] = _actor_update_mfu(cfg, parts, batch, metrics["timing_s/update_actor"])
     with phase("update_weights", metrics):  # every step: released weights must be pushed again
         _resume_engine_memory(parts, (WEIGHTS,))
@@ -156,23 +165,13 @@ def _resume_engine_memory(parts: PPOComponents, tags) -> None:
         parts.engine.resume_memory(tags)
 
 
-def generate(cfg: ExperimentConfig, parts: PPOComponents, prompts):
+def generate(parts: PPOComponents, prompts, params: SamplingParams):
     """Rollout through the HybridEngine's generation replicas; every rank gets the global batch.
 
     Returns the ``RolloutBatch`` (prompts left-padded, responses right-padded to
-    ``data.max_response_length``), the per-sequence metadata, and the rollout engine's own
-    log-probs of the sampled tokens (to measure train/inference mismatch).
+    ``params.max_new_tokens`` = ``data.max_response_length``), the per-sequence metadata, and the
+    rollout engine's own log-probs of the sampled tokens (to measure train/inference mismatch).
     """
-    rollout = cfg.actor_rollout_ref.rollout
-    params = SamplingParams(
-        max_new_tokens=cfg.data.max_response_length,
-        temperature=rollout.temperature if rollout.do_sample else 0.0,
-        top_p=rollout.top_p, top_k=rollout.top_k,
-    )
-    return _generate_with(parts, prompts, params)
-
-
-def _generate_with(parts: PPOComponents, prompts, params: SamplingParams):
     sync = parts.weight_sync
     mine = split_for_generation(prompts.raw_prompt_ids, sync.layout, dist.get_rank())
     local = []
@@ -239,16 +238,22 @@ def _batch_metrics(batch: RolloutBatch, scores, rollout_log_probs, reward_metric
 
 
 def validate(cfg: ExperimentConfig, parts: PPOComponents) -> dict[str, float]:
-    """Mean score of the validation responses (``rollout.val_kwargs`` sampling; greedy by default)."""
+    """Scores of the validation responses: ``rollout.val_kwargs.n`` per prompt with its sampling
+    (one greedy response by default). ``val/accuracy`` counts responses scoring 1; with n > 1,
+    ``val/pass@n`` counts prompts with at least one such response."""
     val = cfg.actor_rollout_ref.rollout.val_kwargs
-    params = SamplingParams(max_new_tokens=cfg.data.max_response_length,
-                            temperature=val.temperature if val.do_sample else 0.0, top_p=val.top_p, top_k=val.top_k)
-    scores = []
+    params = val.sampling_params(cfg.data.max_response_length)
+    per_prompt: list[list[float]] = []
     for prompts in parts.val_loader:
-        batch, meta, _ = _generate_with(parts, prompts, params)
-        scores += _score(parts, batch, meta).scores
-    return {"val/score/mean": float(sum(scores) / max(len(scores), 1)),
-            "val/accuracy": float(sum(s >= 1.0 for s in scores) / max(len(scores), 1))}
+        batch, meta, _ = generate(parts, prompts.repeat_interleave(val.n), params)
+        scores = _score(parts, batch, meta).scores  # each prompt's n responses are consecutive
+        per_prompt += [scores[i:i + val.n] for i in range(0, len(scores), val.n)]
+    scores = [score for group in per_prompt for score in group]
+    metrics = {"val/score/mean": float(sum(scores) / max(len(scores), 1)),
+               "val/accuracy": float(sum(s >= 1.0 for s in scores) / max(len(scores), 1))}
+    if val.n > 1:
+        metrics[f"val/pass@{val.n}"] = float(sum(max(group) >= 1.0 for group in per_prompt) / max(len(per_prompt), 1))
+    return metrics
 
 
 def save_checkpoint(parts: PPOComponents, step: int) -> None:

@@ -42,7 +42,8 @@ def measure(case) -> dict:
     from megatron.core import parallel_state
 
     from engine.models.gpt import build_model_chunks
-    from engine.roles.optim import OptimConfig, build_optimizer, wrap_for_training
+    from engine.config import OptimConfig
+    from engine.roles.optim import build_optimizer, wrap_for_training
     from parallel.layout import ParallelLayout
     from parallel.state import initialize_model_parallel
 
@@ -52,9 +53,9 @@ def measure(case) -> dict:
     bf16 = dtype == "bfloat16"
     chunks = build_model_chunks(hf_config(model_type, tie), layout, value_head=value_head,
                                 params_dtype=torch.bfloat16 if bf16 else torch.float32)
-    optim_config = OptimConfig(lr=1e-3, use_distributed_optimizer=distopt)
-    ddp_chunks = wrap_for_training(chunks, optim_config)
-    optimizer, _ = build_optimizer(ddp_chunks, optim_config, total_training_steps=1)
+    ddp_chunks = wrap_for_training(chunks, use_distributed_optimizer=distopt)
+    optimizer, _ = build_optimizer(ddp_chunks, OptimConfig(lr=1e-3), total_training_steps=1,
+                                   use_distributed_optimizer=distopt)
     for chunk in ddp_chunks:
         for buffer in chunk.buffers + chunk.expert_parallel_buffers:
             buffer.grad_data.normal_()  # any finite gradient: Adam creates its state on the first step

@@ -89,12 +89,13 @@ def check_received(shards, reference: dict, target: str) -> int:
 
 def start_engine(engine_name: str, hf_dir: str, run_dir: str):
     if engine_name == "torch":
-        from engine.rollout.torch_engine import TorchRolloutConfig, TorchRolloutEngine
+        from engine.config import RolloutConfig
+        from engine.rollout.torch_engine import TorchRolloutEngine
 
-        return TorchRolloutEngine(TorchRolloutConfig(model_path=hf_dir, dtype="float32", device="cpu"))
+        return TorchRolloutEngine(hf_dir, RolloutConfig(name="torch", dtype="float32"), device="cpu")
     from tests.rollout_support import start_cpu_sglang
 
-    return start_cpu_sglang(hf_dir, run_dir, weight_update_timeout_s=120)
+    return start_cpu_sglang(hf_dir, run_dir, rollout={"weight_update_timeout_s": 120})
 
 
 def run_case(case: str, hf_dir: str, bucket_megabytes: float, engine_name: str, run_dir: str) -> dict:
@@ -102,7 +103,8 @@ def run_case(case: str, hf_dir: str, bucket_megabytes: float, engine_name: str, 
 
     from engine.models.checkpoint import export_hf_state_dict
     from engine.models.gpt import build_model_chunks
-    from engine.sync import WeightSyncConfig, WeightSynchronizer, check_by_log_probs, check_engine_weights, engine_weights
+    from engine.config import RolloutConfig
+    from engine.sync import WeightSynchronizer, check_by_log_probs, check_engine_weights, engine_weights
     from parallel.hybrid_engine import WeightSyncError, gather_generation_results, split_for_generation
     from parallel.layout import ParallelLayout
     from parallel.state import initialize_model_parallel
@@ -119,9 +121,9 @@ def run_case(case: str, hf_dir: str, bucket_megabytes: float, engine_name: str, 
     record: dict = {"case": case}
 
     for target in ("full", "sharded"):
-        sync = WeightSynchronizer(chunks, layout, WeightSyncConfig(
+        sync = WeightSynchronizer(chunks, layout, RolloutConfig(
             tensor_model_parallel_size=tg, update_weights_bucket_megabytes=bucket_megabytes, dtype="float32",
-            target=target, check_weight_sync=True))
+            check_weight_sync=True), target=target)
         if target == "full":
             check_rank_map(sync.layout.training)
         received = 0
@@ -153,7 +155,7 @@ def run_case(case: str, hf_dir: str, bucket_megabytes: float, engine_name: str, 
                 pass
             else:
                 raise AssertionError("the engine matched the trained weights before any sync")
-    full_sync = WeightSynchronizer(chunks, layout, WeightSyncConfig(
+    full_sync = WeightSynchronizer(chunks, layout, RolloutConfig(
         tensor_model_parallel_size=tg, update_weights_bucket_megabytes=bucket_megabytes, dtype="float32",
         check_weight_sync=True))
     report = full_sync.sync(engine)

@@ -77,23 +77,27 @@ def set_value_head(chunks, seed: int) -> None:
 
 
 def configs(spec: dict, dp_size: int, ppo_mini_batch_size: int = 4, shuffle: bool = True):
-    from engine.algo.losses import ActorLossConfig, PolicyLossConfig
-    from engine.roles import ActorConfig, CriticConfig, OptimConfig
+    """Actor and critic settings (the experiment's own classes) and the actor's log-prob batching."""
+    from engine.config import ActorConfig, CriticConfig, MegatronConfig, OptimConfig
+    from engine.roles import MicroBatchConfig
 
     # 2 micro-batches per mini-batch on every layout: 4 sequences / DP ranks / micro size.
     micro = max(1, ppo_mini_batch_size // dp_size // 2)
     common = dict(ppo_epochs=1, ppo_mini_batch_size=ppo_mini_batch_size, ppo_micro_batch_size_per_gpu=micro,
-                  use_dynamic_bsz=spec["dynamic"], ppo_max_token_len_per_gpu=24, shuffle=shuffle, seed=3)
-    actor = ActorConfig(
-        **common, log_prob_micro_batch_size_per_gpu=micro, log_prob_max_token_len_per_gpu=24, temperature=0.8,
-        loss=ActorLossConfig(policy=PolicyLossConfig(clip_ratio=0.2), entropy_coeff=0.01, use_kl_loss=True,
-                             kl_loss_coef=0.1, kl_loss_type="low_var_kl"),
-    )
+                  use_dynamic_bsz=spec["dynamic"], ppo_max_token_len_per_gpu=24, shuffle=shuffle,
+                  optim=OptimConfig(lr=1e-3, betas=[0.9, 0.95], weight_decay=0.1, max_grad_norm=0.5, lr_warmup_steps=1,
+                                    lr_decay_style="cosine", min_lr=1e-4),
+                  megatron=MegatronConfig(use_distributed_optimizer=True, param_dtype="float32"))
+    actor = ActorConfig(**common, clip_ratio=0.2, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
+                        kl_loss_type="low_var_kl")
     critic = CriticConfig(**common, forward_micro_batch_size_per_gpu=micro, forward_max_token_len_per_gpu=24,
                           cliprange_value=0.2)
-    optim = OptimConfig(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=0.5, lr_warmup_steps=1,
-                        lr_decay_style="cosine", min_lr=1e-4)
-    return actor, critic, optim
+    log_prob_batches = MicroBatchConfig.of(micro, spec["dynamic"], 24)
+    return actor, critic, log_prob_batches
+
+
+TEMPERATURE = 0.8
+SEED = 3
 
 
 def run_layout(spec: dict, hf_dir: Path, seed: int, out_dir: Path, name: str) -> dict:
@@ -105,25 +109,26 @@ def run_layout(spec: dict, hf_dir: Path, seed: int, out_dir: Path, name: str) ->
 
     layout = use_layout(spec)
     dp_size = parallel_state.get_data_parallel_world_size()
-    actor_config, critic_config, optim = configs(spec, dp_size)
+    actor_config, critic_config, log_prob_batches = configs(spec, dp_size)
     result: dict = {"dp": dp_size}
 
     chunks = build_model_chunks(hf_dir, layout)
     load_hf_weights(chunks, hf_dir)
     batch = make_batch(chunks[0].hf_architecture.vocab_size, seed)
-    actor = MegatronActor(chunks, actor_config, optim, total_training_steps=4, use_remove_padding=spec["packing"])
-    old = actor.compute_old_log_probs(batch, compute_entropy=True)
+    actor = MegatronActor(chunks, actor_config, log_prob_batches=log_prob_batches, samples_per_prompt=1,
+                          total_optimizer_steps=4, seed=SEED, use_remove_padding=spec["packing"])
+    old = actor.compute_log_probs(batch, log_prob_batches, TEMPERATURE, compute_entropy=True)
     result["response_mask"] = batch.response_mask.tolist()  # outputs elsewhere are padding garbage
     result["old_log_probs"] = old["log_probs"].tolist()
     result["entropy"] = old["entropy"].tolist()
-    result["actor"] = actor.update_policy(replace(batch, old_log_probs=old["log_probs"]))
+    result["actor"] = actor.update_policy(replace(batch, old_log_probs=old["log_probs"]), TEMPERATURE)
     weights = {"actor." + k: v for k, v in export_hf_state_dict(chunks).items()}
 
     critic_chunks = build_model_chunks(hf_dir, layout, value_head=True)
     load_hf_weights(critic_chunks, hf_dir)
     set_value_head(critic_chunks, seed)
-    critic = MegatronCritic(critic_chunks, critic_config, optim, total_training_steps=4,
-                            use_remove_padding=spec["packing"])
+    critic_config.model.use_remove_padding = spec["packing"]
+    critic = MegatronCritic(critic_chunks, critic_config, samples_per_prompt=1, total_optimizer_steps=4, seed=SEED)
     values = critic.compute_values(batch)
     result["values"] = values.tolist()
     result["critic"] = critic.update_critic(replace(batch, values=values))
@@ -188,24 +193,25 @@ def check_reference(hf_dir: Path, seed: int, results: dict) -> None:
     for packing in (False, True):
         spec = dict(tp=1, pp=1, vpp=None, sp=False, packing=packing, dynamic=False)
         layout = use_layout(spec)
-        actor_config, _, optim = configs(spec, 1, ppo_mini_batch_size=8, shuffle=False)
+        actor_config, _, log_prob_batches = configs(spec, 1, ppo_mini_batch_size=8, shuffle=False)
         chunks = build_model_chunks(hf_dir, layout)
         load_hf_weights(chunks, hf_dir)
         batch = make_batch(chunks[0].hf_architecture.vocab_size, seed)
-        actor = MegatronActor(chunks, actor_config, optim, total_training_steps=4, use_remove_padding=packing)
-        old = actor.compute_old_log_probs(batch)["log_probs"]
+        actor = MegatronActor(chunks, actor_config, log_prob_batches=log_prob_batches, samples_per_prompt=1,
+                              total_optimizer_steps=4, seed=SEED, use_remove_padding=packing)
+        old = actor.compute_old_log_probs(batch, TEMPERATURE)
         reference = torch.zeros_like(old, dtype=torch.float64)
         with torch.no_grad():
             for row in range(len(batch)):
                 valid = batch.attention_mask[row].bool()
                 tokens = batch.input_ids[row][valid]
-                logits = hf_model(tokens[None]).logits[0] / actor_config.temperature
+                logits = hf_model(tokens[None]).logits[0] / TEMPERATURE
                 log_probs = torch.log_softmax(logits, -1)[:-1].gather(-1, tokens[1:, None])[:, 0]
                 full = torch.zeros(batch.input_ids.shape[1], dtype=torch.float64)
                 full[valid.nonzero().flatten()[:-1]] = log_probs
                 reference[row] = response_columns(full[None], batch.response_length)[0]
         mask = batch.response_mask.bool()
-        metrics = actor.update_policy(replace(batch, old_log_probs=old))
+        metrics = actor.update_policy(replace(batch, old_log_probs=old), TEMPERATURE)
         out["packed" if packing else "padded"] = {
             "max_abs_error_vs_hf": float((old.double() - reference)[mask].abs().max()),
             "first_update_ppo_kl": metrics["actor/ppo_kl"],
