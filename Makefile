@@ -36,7 +36,7 @@ $(STAMP_SGLANG): $(STAMP_BASE) requirements/sglang-cpu.txt launch/install/sglang
 # cached in .cache/models/demo-arith; PPO then runs on 2 CPU ranks. Extra keys: make demo ARGS="k=v".
 demo: $(STAMP_BASE)
 	$(PY) -m launch.prepare_demo_model
-	OMP_NUM_THREADS=1 TORCHDYNAMO_DISABLE=1 $(VENV)/bin/torchrun --nproc_per_node 2 -m launch.main yaml/demo_cpu.yaml $(ARGS)
+	$(VENV)/bin/trident yaml/demo_cpu.yaml $(ARGS)
 
 # pytest exits 5 when it collected no test; make treats any non-zero exit as failure.
 test: $(STAMP_BASE) $(STAMP_SGLANG)

@@ -16,6 +16,7 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["engine*", "parallel*", "launch*", "benchmarks*"]),
     install_requires=_requirements("base.txt"),
+    entry_points={"console_scripts": ["trident=launch.cli:main"]},
     extras_require={
         # transformer-engine builds only against CUDA/NCCL headers: GPU machines only.
         "gpu": ["transformer-engine[pytorch]", "sglang==0.5.23"],

@@ -1,9 +1,13 @@
 """The SPMD entry point: ``python -m launch.main yaml/X.yaml key=value ...`` on every rank.
 
-torchrun, Slurm (srun + torchrun) and the Ray launcher all start this same program; ranks come
-from the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). The
-config is loaded and validated against the world size before any process group starts, so a
-mistake is one message and exit status 2.
+torchrun, Slurm (srun + torchrun), the Ray launcher and the ``trident`` command all start this
+same program; ranks come from the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT). In order, before any process group starts: a reaper for whatever this
+rank will start (``engine.lifecycle``), the config checked against the launch, the model,
+tokenizer and reward function checked (``engine.trainer.preflight``). A user's mistake, found
+then or later (a data row, a checkpoint that does not fit, a reward function that keeps failing),
+ends the rank with one message and exit status 2 instead of a traceback; under the ``trident``
+command the messages go to the launcher, which prints each once (``TRIDENT_ERROR_DIR``).
 """
 
 from __future__ import annotations
@@ -11,26 +15,90 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+EXIT_USER_ERROR = 2
+# Set by the trident command: each failing rank writes its message here instead of to stderr.
+ERROR_DIR_ENV = "TRIDENT_ERROR_DIR"
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that are the user's to fix (config, inputs, data, checkpoints, the rollout
+    servers' start-up, a failing reward function): reported as a message, not a traceback."""
+    from engine.config.errors import ConfigError
+    from engine.data.schema import PromptSchemaError
+    from engine.models.checkpoint import CheckpointError as ModelCheckpointError
+    from engine.models.hf_config import UnsupportedModelError
+    from engine.rewards.manager import RewardFunctionError
+    from engine.rollout.base import RolloutError
+    from engine.trainer.checkpoint import CheckpointError
+
+    return (ConfigError, PromptSchemaError, ModelCheckpointError, UnsupportedModelError, RewardFunctionError,
+            RolloutError, CheckpointError)
+
+
+def report_error(message: str) -> None:
+    """The rank's message: to the trident launcher's folder, or to stderr with the rank named."""
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    if error_dir:
+        Path(error_dir, f"rank_{rank:05d}.txt").write_text(message)
+        return
+    where = f" (rank {rank})" if world_size > 1 else ""
+    print(f"[trident] error{where}: {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("yaml_path", help="experiment file, e.g. yaml/demo_cpu.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     args = parser.parse_args(argv)
 
-    from engine.config.cli import load_config_or_exit
+    from engine.lifecycle import start_reaper, stop_gracefully_on_sigterm
 
-    cfg = load_config_or_exit(args.yaml_path, args.overrides, int(os.environ.get("WORLD_SIZE", "1")))
+    start_reaper()
+    stop_gracefully_on_sigterm()
+    try:
+        run(args.yaml_path, args.overrides)
+    except Exception as error:
+        if isinstance(error, user_errors()):
+            logging.getLogger(__name__).info("%s: %s", type(error).__name__, error)  # into the rank's log file
+            report_error(str(error))
+            return EXIT_USER_ERROR
+        if is_collective_timeout(error):
+            logging.getLogger(__name__).exception("collective timeout")
+            report_error("a collective did not complete within trainer.collective_timeout_minutes: another rank is "
+                         f"stuck or has died (its log says which), or a phase needs a longer timeout ({error})")
+            return 1
+        raise
+    return 0
+
+
+def is_collective_timeout(error: BaseException) -> bool:
+    """gloo's recv/send timeout (a RuntimeError) or NCCL's (a DistBackendError naming Timeout(ms))."""
+    return isinstance(error, RuntimeError) and bool(
+        re.search(r"Timed out waiting \d+ms|Timeout\(ms\)=\d+", str(error)))
+
+
+def run(yaml_path: str, overrides: Sequence[str]) -> None:
+    from engine.config import load_config
+    from engine.config.validation import check_launch
+    from engine.trainer.preflight import check_inputs
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = load_config(yaml_path, overrides, world_size)
+    check_launch(cfg, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    check_inputs(cfg, data=False)  # the prompt files are read and checked while the components are built
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     from engine.trainer.ppo_trainer import run_ppo
     from parallel.state import destroy_model_parallel, initialize_model_parallel
 
-    megatron = cfg.actor_rollout_ref.actor.megatron
-    initialize_model_parallel(megatron.layout(), seed=megatron.seed)
+    initialize_model_parallel(cfg.actor_rollout_ref.actor.megatron.layout(), seed=cfg.trainer.seed,
+                              timeout_minutes=cfg.trainer.collective_timeout_minutes)
     try:
         run_ppo(cfg)
     finally:

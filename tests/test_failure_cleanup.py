@@ -1,0 +1,84 @@
+"""A rank that dies leaves nothing behind, and the job says which rank died.
+
+A 2-rank job through the ``trident`` command with everything a rank starts: SGLang servers (in
+sessions of their own), a Ray reward pool, dist-checkpointing's writer Manager and resource
+tracker (a checkpoint every step). Rank 1 is SIGKILLed mid-run, so it runs no exit code at all:
+its reaper (``engine.lifecycle``) must clean up after it, and rank 0, stopped by torchrun, after
+itself. Every process of the job carries a marker in its environment, so a leftover is found
+wherever it was reparented.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import REPO_ROOT
+from tests.rollout_support import SGLANG_MARKS
+
+pytestmark = [pytest.mark.dist, *SGLANG_MARKS]
+
+
+def processes_with(marker: str) -> dict[int, str]:
+    found = {}
+    for folder in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker.encode() in (folder / "environ").read_bytes():
+                found[int(folder.name)] = (folder / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+        except OSError:
+            continue
+    return found
+
+
+def rank_pid(marker: str, rank: int) -> int | None:
+    for pid, command in processes_with(marker).items():
+        if "launch.main" in command and "torch" not in command.split()[1:3]:
+            try:
+                if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    return pid
+            except OSError:
+                continue
+    return None
+
+
+def test_a_killed_rank_leaves_no_process_behind(demo_model, tmp_path):
+    marker = f"TRIDENT_TEST_JOB={uuid.uuid4().hex}"
+    run_dir = tmp_path / "run"
+    env = {**os.environ, marker.split("=")[0]: marker.split("=")[1], "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen(
+        [sys.executable, "-m", "launch.cli", "yaml/demo_cpu.yaml", f"trainer.default_local_dir={run_dir}",
+         "trainer.total_training_steps=50", "trainer.save_freq=1", "trainer.test_freq=-1",
+         "trainer.val_before_train=false", "actor_rollout_ref.rollout.name=sglang",
+         "actor_rollout_ref.rollout.gpu_memory_utilization=0.05", "reward_model.num_workers=1"],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (run_dir / "checkpoints" / "step_2").exists():
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0][-4000:]
+            time.sleep(1)
+        started = processes_with(marker)
+        commands = " ".join(started.values())
+        # What a rank starts is there: SGLang servers, Ray, the checkpoint writer, the reapers.
+        assert "sglang.launch_server" in commands and "ray" in commands, commands
+        assert "multiprocessing.spawn" in commands and "engine.lifecycle" in commands, commands
+        os.kill(rank_pid(marker, 1), signal.SIGKILL)
+        output = job.communicate(timeout=300)[0]
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0
+    assert "[trident] rank 1 killed by signal 9" in output, output[-4000:]
+    assert "Traceback" not in output.split("killed by signal 9")[-1]
+    deadline = time.monotonic() + 30
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(1)
+    left = processes_with(marker)
+    for pid in left:  # do not leak into the next tests, whatever happened
+        os.kill(pid, signal.SIGKILL)
+    assert not left, left
