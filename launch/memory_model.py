@@ -316,15 +316,15 @@ class ModelMemoryConfig:
 
 @dataclass(frozen=True)
 class RolloutMemoryConfig:
-    """The generation engine (SGLang semantics).
+    """The generation engine (SGLang semantics), colocated on every training GPU.
 
-    Colocated (the default), ``gpu_memory_utilization`` is the fraction of the whole GPU the engine
-    takes for its weights plus KV cache while it runs (SGLang's ``mem_fraction_static``: the rest,
-    1 - fraction, must hold everything else resident); it releases both during the training phases
-    (release / resume memory occupation) and gets its weights from the actor through the
-    HybridEngine. Disaggregated, the engine has ``engine_gpus`` GPUs of its own. ``in_process`` is
-    an engine inside each trainer process (HF generate): one full weight copy per rank and a KV
-    cache for that rank's sequences, no memory fraction.
+    ``gpu_memory_utilization`` is the fraction of the whole GPU the engine takes for its weights plus
+    KV cache while it runs (SGLang's ``mem_fraction_static``: the rest, 1 - fraction, must hold
+    everything else resident); it releases both during the training phases (release / resume memory
+    occupation) and gets its weights from the actor through the HybridEngine. ``in_process`` is an
+    engine inside each trainer process (HF generate): one full weight copy per rank and a KV cache
+    for that rank's sequences, no memory fraction. (Disaggregated rollout, on GPUs of its own, is
+    not built yet.)
     """
 
     tensor_model_parallel_size: int
@@ -335,13 +335,10 @@ class RolloutMemoryConfig:
     kv_cache_dtype_bytes: int = 2
     update_weights_bucket_megabytes: float = 512.0
     pipeline_model_parallel_size: int = 1
-    colocated: bool = True
-    engine_gpus: int = 0  # GPUs running the engine; 0 = the whole world (colocated)
     in_process: bool = False
 
     def replicas(self, world_size: int) -> int:
-        gpus = self.engine_gpus or world_size
-        return gpus // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+        return world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -374,11 +371,8 @@ def hybrid_engine_sync(
     model_bytes = full_model_parameters(architecture) * rollout.weight_dtype_bytes
     engine_shard = model_bytes / (tg * pg)
     bucket = rollout.update_weights_bucket_megabytes * MIB
-    if rollout.colocated:
-        received = max(0, t * p - tg * pg) / (tg * pg * t * p) * model_bytes
-        gather_all = (world_size - 1) / world_size * model_bytes
-    else:  # the engine's GPUs hold nothing of the training shards: every byte crosses the network
-        received = gather_all = engine_shard
+    received = max(0, t * p - tg * pg) / (tg * pg * t * p) * model_bytes
+    gather_all = (world_size - 1) / world_size * model_bytes
     return HybridEngineSync(
         model_bytes=model_bytes,
         received_bytes=received,
@@ -508,17 +502,15 @@ def estimate_memory(
         if active_role and active_role not in by_role:
             continue
         items: dict[str, float] = {}
-        if phase != "rollout" or rollout.colocated:
-            for model in models:
-                kind = None
-                if model.role == active_role:
-                    kind = "train" if phase in train_phase_role else "forward"
-                items.update(_model_items(model, phase, kind))
+        for model in models:
+            kind = None
+            if model.role == active_role:
+                kind = "train" if phase in train_phase_role else "forward"
+            items.update(_model_items(model, phase, kind))
         if phase == "rollout":
             items["rollout/weights+kv_cache"] = engine_pool
         elif phase == "weight_sync":
-            if rollout.colocated:
-                items["rollout/weights"] = sync.engine_shard_bytes
+            items["rollout/weights"] = sync.engine_shard_bytes
             # one bucket being packed from the training shards, one handed to the engine
             items["rollout/sync_buckets"] = 2 * min(sync.bucket_bytes, sync.engine_shard_bytes)
         items["reserved"] = reserved_bytes
