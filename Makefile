@@ -18,7 +18,7 @@ PIP = $(PY) -m pip install --disable-pip-version-check -q
 venv: $(STAMP_BASE)
 sglang: $(STAMP_SGLANG)
 
-$(STAMP_BASE): requirements/base.txt requirements/test.txt setup.py
+$(STAMP_BASE): requirements/base.txt requirements/test.txt requirements/wandb.txt requirements/mlflow.txt setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "[trident] installing base requirements into $(VENV) (log: $(PIP_LOG))"
 	@$(PIP) -r requirements/base.txt -r requirements/test.txt >$(PIP_LOG) 2>&1 || { tail -n 40 $(PIP_LOG); exit 1; }

@@ -5,8 +5,15 @@ from setuptools import find_packages, setup
 
 
 def _requirements(name: str) -> list[str]:
-    lines = (Path(__file__).parent / "requirements" / name).read_text().splitlines()
-    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    """The requirements of ``requirements/<name>``, following its ``-r other.txt`` lines."""
+    lines = [line.strip() for line in (Path(__file__).parent / "requirements" / name).read_text().splitlines()]
+    found: list[str] = []
+    for line in lines:
+        if line.startswith("-r "):
+            found += _requirements(line[3:].strip())
+        elif line and not line.startswith("#"):
+            found.append(line)
+    return found
 
 
 setup(
@@ -21,6 +28,8 @@ setup(
         # transformer-engine builds only against CUDA/NCCL headers: GPU machines only.
         "gpu": ["transformer-engine[pytorch]", "sglang==0.5.23"],
         "sglang-cpu": _requirements("sglang-cpu.txt") + ["sglang==0.5.23"],
+        "wandb": _requirements("wandb.txt"),
+        "mlflow": _requirements("mlflow.txt"),
         "test": _requirements("test.txt"),
     },
 )

@@ -48,7 +48,9 @@ def report_error(message: str) -> None:
         Path(error_dir, f"rank_{rank:05d}.txt").write_text(message)
         return
     where = f" (rank {rank})" if world_size > 1 else ""
-    print(f"[trident] error{where}: {message}", file=sys.stderr, flush=True)
+    from engine.trainer.console import say_error
+
+    say_error(f"[trident] error{where}: {message}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -73,7 +75,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             report_error("a collective did not complete within trainer.collective_timeout_minutes: another rank is "
                          f"stuck or has died (its log says which), or a phase needs a longer timeout ({error})")
             return 1
-        raise
+        logging.getLogger(__name__).exception("the run failed")  # the traceback, into the rank's log
+        from engine.trainer import console
+
+        report_error(f"{type(error).__name__}: {error} (traceback: {console.log_file or 'above'})")
+        return 1
     return 0
 
 
@@ -92,7 +98,12 @@ def run(yaml_path: str, overrides: Sequence[str]) -> None:
     cfg = load_config(yaml_path, overrides, world_size)
     check_launch(cfg, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     check_inputs(cfg, data=False)  # the prompt files are read and checked while the components are built
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from engine.trainer.console import capture_output
+    from engine.trainer.run_dir import RunDirectory
+
+    # From here on megatron, SGLang, Ray and their children write to the rank's log, not the terminal.
+    rank = int(os.environ.get("RANK", "0"))
+    capture_output(RunDirectory.create(cfg.trainer.default_local_dir).rank_log_file(rank), rank)
 
     from engine.trainer.ppo_trainer import run_ppo
     from parallel.state import destroy_model_parallel, initialize_model_parallel

@@ -332,7 +332,8 @@ def test_algorithm_names_come_from_the_registry(key, kind):
 def test_misspelled_choice_gets_a_suggestion():
     assert "Did you mean 'gae'?" in error_of(DEMO, ["algorithm.adv_estimator=gea"])
     assert "Did you mean 'sglang'?" in error_of(DEMO, ["actor_rollout_ref.rollout.name=sglng"])
-    assert "trainer.logger[1]='wandb'" in error_of(DEMO, ["trainer.logger=[console,wandb]"])
+    assert "trainer.logger[1]='wandbb' is not a valid choice. Did you mean 'wandb'?" in error_of(
+        DEMO, ["trainer.logger=[console,wandbb]"])
 
 
 def test_group_estimator_needs_several_samples_per_prompt():

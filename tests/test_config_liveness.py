@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 
 from engine.config.loader import all_keys, section_class, type_of_key
 from engine.config.validation import NOT_BUILT
+from parallel.state import find_free_port
 from tests.distributed import run_torchrun
 from tests.rollout_support import requires_sglang
 
@@ -90,9 +91,13 @@ def test_sglang_keys_are_read(demo_model, tmp_path):
            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8;trainer.total_training_steps=1;"
            f"trainer.val_before_train=false;trainer.export_hf_at_end=false;trainer.default_local_dir={tmp_path}/run;"
            f"actor_rollout_ref.rollout.name=sglang;actor_rollout_ref.rollout.check_weight_sync=true;"
-           f"actor_rollout_ref.rollout.gpu_memory_utilization=0.05"]
+           f"actor_rollout_ref.rollout.gpu_memory_utilization=0.05;trainer.prometheus_port={find_free_port()}"]
     read = read_keys(tmp_path, run)
     assert set(SGLANG_ONLY) <= read, set(SGLANG_ONLY) - read
+    # With Prometheus on, the server exports its own metrics, listed beside the trainer's.
+    target = json.loads(next((tmp_path / "run" / "prometheus").glob("sglang_*.json")).read_text())
+    assert target[0]["labels"]["job"] == "sglang"
+    assert "--enable-metrics" in (tmp_path / "run" / "rollout" / "sglang_replica0.log").read_text()
 
 
 def test_not_built_keys_are_schema_keys():

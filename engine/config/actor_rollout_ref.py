@@ -109,7 +109,7 @@ class SamplingConfig:
     """``actor_rollout_ref.rollout.val_kwargs.*``: sampling of the validation responses (greedy by default).
 
     Attributes:
-        n: responses per validation prompt; with n > 1 validation also reports pass@n.
+        n: responses per validation prompt; with n > 1 validation also reports ``val/pass_at_<n>``.
         do_sample: false = greedy decoding whatever the temperature.
         temperature, top_p, top_k: sampling; top_k = -1 disables top-k.
     """

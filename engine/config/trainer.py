@@ -3,8 +3,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-LOGGERS = ("console", "tensorboard", "jsonl")
+LOGGERS = ("console", "tensorboard", "jsonl", "wandb", "mlflow")
+# Loggers whose packages are optional extras: logger -> (modules it imports, the pip extra).
+LOGGER_EXTRAS = {"wandb": (("wandb",), "wandb"), "mlflow": (("mlflow", "sqlalchemy"), "mlflow")}
 RESUME_MODES = ("auto", "disable", "resume_path")
+PROFILE_TOOLS = ("torch", "nvtx")
+
+
+@dataclass
+class ProfileConfig:
+    """``trainer.profile``: profile chosen PPO steps on chosen ranks.
+
+    Attributes:
+        steps: the PPO steps (1-based) to profile; empty = no profiling.
+        ranks: the global ranks that profile them.
+        tool: "torch": a torch profiler trace per rank and step (``<run>/profile/step_<s>_rank_<r>.json``,
+            chrome://tracing or Perfetto); "nvtx": the steps are bracketed by ``cudaProfilerStart/Stop``
+            so ``nsys profile --capture-range=cudaProfilerApi`` records exactly them (GPUs only).
+            Every phase of a step is an NVTX range on GPUs and a ``record_function`` range in both.
+    """
+
+    steps: list[int] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=lambda: [0])
+    tool: str = "torch"
 
 
 @dataclass
@@ -28,7 +49,14 @@ class TrainerConfig:
             "disable" always starts fresh, "resume_path" resumes from ``resume_from_path``.
         resume_from_path: the checkpoint directory for ``resume_mode=resume_path``.
         default_local_dir: the run directory: checkpoints, logs, the resolved config.
-        logger: metric sinks, any of "console", "tensorboard", "jsonl".
+        logger: metric sinks, any of "console", "tensorboard", "jsonl", "wandb", "mlflow" (the last two
+            are pip extras: ``pip install 'trident-ppo[wandb]'`` / ``[mlflow]``). wandb runs offline under
+            the run directory unless ``WANDB_MODE`` or an API key says otherwise; mlflow logs to
+            ``$MLFLOW_TRACKING_URI``, else to ``<run>/mlflow.db``.
+        prometheus_port: rank 0 serves the latest step's metrics at ``http://<host>:<port>/metrics``
+            (``trident_metric{name="actor/pg_loss"}``) and the SGLang servers export their own;
+            null = off.
+        profile: see ``ProfileConfig``.
         export_hf_at_end: write the trained actor as a HuggingFace folder (``<run>/hf/actor``,
             with the tokenizer and chat template of ``model.path``) when the run finishes.
         seed: seed of the random streams of the loop: sampling in the embedded engine, the SGLang
@@ -55,3 +83,5 @@ class TrainerConfig:
     export_hf_at_end: bool = True
     seed: int = 1
     collective_timeout_minutes: int = 60
+    prometheus_port: int | None = None
+    profile: ProfileConfig = field(default_factory=ProfileConfig)

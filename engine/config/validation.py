@@ -10,6 +10,7 @@ Names of algorithm parts come from :mod:`engine.algo.registry`, rollout engines 
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import logging
 import math
@@ -22,7 +23,7 @@ from engine.config.data import TRUNCATION_MODES
 from engine.config.errors import ConfigError
 from engine.config.experiment import ExperimentConfig
 from engine.config.model import LR_DECAY_STYLES, PARAM_DTYPES, MegatronConfig, OptimConfig
-from engine.config.trainer import LOGGERS, RESUME_MODES
+from engine.config.trainer import LOGGER_EXTRAS, LOGGERS, PROFILE_TOOLS, RESUME_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ def _check_choices(config: ExperimentConfig) -> None:
         (f"{ACTOR}.megatron.param_dtype", arr.actor.megatron.param_dtype, PARAM_DTYPES),
         ("critic.megatron.param_dtype", config.critic.megatron.param_dtype, PARAM_DTYPES),
         ("trainer.resume_mode", trainer.resume_mode, RESUME_MODES),
+        ("trainer.profile.tool", trainer.profile.tool, PROFILE_TOOLS),
     ]
     choices += [(f"trainer.logger[{i}]", name, LOGGERS) for i, name in enumerate(trainer.logger)]
     for key, value, valid in choices:
@@ -88,6 +90,12 @@ def _check_choices(config: ExperimentConfig) -> None:
             raise ConfigError(f"{key}={value!r} is not a valid choice.{hint} Valid values: {', '.join(valid)}.")
     if len(set(trainer.logger)) != len(trainer.logger):
         raise ConfigError(f"trainer.logger={trainer.logger} names a logger twice; list each once.")
+    for name in trainer.logger:
+        modules, extra = LOGGER_EXTRAS.get(name, ((), ""))
+        missing = [module for module in modules if importlib.util.find_spec(module) is None]
+        if missing:
+            raise ConfigError(f"trainer.logger includes {name!r}, but {', '.join(missing)} is not installed; "
+                              f"pip install 'trident-ppo[{extra}]' (or drop {name!r} from trainer.logger).")
 
 
 _LORA = "LoRA is not built yet; only full fine-tuning (lora_rank=0) runs today"
@@ -218,6 +226,12 @@ def _check_ranges(config: ExperimentConfig) -> None:
         value = getattr(trainer, name)
         meaning = "-1 (only at the end)" if name == "save_freq" else "-1 (off)"
         _require(value == -1 or value >= 1, f"trainer.{name}", value, f"{meaning} or >= 1 (every that many steps)")
+    _require(trainer.prometheus_port is None or 0 < trainer.prometheus_port < 65536, "trainer.prometheus_port",
+             trainer.prometheus_port, "a TCP port (1-65535) or null (off)")
+    profile = trainer.profile
+    _require(all(step >= 1 for step in profile.steps), "trainer.profile.steps", profile.steps, "PPO steps >= 1")
+    _require(all(0 <= rank < _world_size(config, None)[0] for rank in profile.ranks), "trainer.profile.ranks",
+             profile.ranks, "global ranks of the job (0 .. nnodes x n_gpus_per_node - 1)")
     if trainer.val_only and not config.data.val_files:
         raise ConfigError("trainer.val_only=true needs data.val_files (the prompts to validate on).")
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:

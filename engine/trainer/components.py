@@ -23,6 +23,7 @@ from engine.roles import MegatronActor, MegatronCritic, MicroBatchConfig, Refere
 from engine.rollout.base import RolloutEngine
 from engine.sync import WeightSynchronizer
 from engine.trainer.checkpoint import CheckpointManager, CheckpointTarget
+from engine.trainer.loggers import write_prometheus_target
 from engine.trainer.run_dir import RunDirectory
 from parallel.hybrid_engine import HybridLayout
 
@@ -156,7 +157,15 @@ def _build_engine(cfg: ExperimentConfig, run: RunDirectory, layout: HybridLayout
     if torch.cuda.is_available():
         replica = layout.generation_coordinates(dist.get_rank()).replica
         gpus = layout.replica_placements(cfg.trainer.n_gpus_per_node)[replica].local_devices
-    return create_rollout_engine(rollout, model.path, run_dir=str(run.rollout_dir), replica_gpus=(gpus,),
-                                 random_seed=cfg.trainer.seed + dist.get_rank(),
-                                 trust_remote_code=model.trust_remote_code)
+    metrics = cfg.trainer.prometheus_port is not None
+    engine = create_rollout_engine(rollout, model.path, run_dir=str(run.rollout_dir), replica_gpus=(gpus,),
+                                   random_seed=cfg.trainer.seed + dist.get_rank(),
+                                   trust_remote_code=model.trust_remote_code,
+                                   extra_server_args=("--enable-metrics",) if metrics else ())
+    if metrics:  # SGLang's own /metrics (queue, throughput, KV-cache use) beside the trainer's, for Prometheus
+        for server in engine.servers:
+            write_prometheus_target(run.prometheus_dir / f"sglang_{server.port}.json", server.url.split("//")[1],
+                                    {"job": "sglang", "project": cfg.trainer.project_name,
+                                     "experiment": cfg.trainer.experiment_name})
+    return engine
 

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from engine.algo.advantages import AdvantageInputs, compute_advantages
 from engine.algo.kl import apply_kl_penalty
@@ -26,7 +27,9 @@ from engine.sync import check_rollout_log_probs
 from engine.trainer.checkpoint import export_hf_model
 from engine.trainer.components import PPOComponents, build_components
 from engine.trainer.flops import DecoderShape, model_flops_utilization, peak_flops_per_device, training_flops
-from engine.trainer.run_dir import RunDirectory, attach_rank_log_file
+from engine.trainer.console import say
+from engine.trainer.profiling import StepProfiler
+from engine.trainer.run_dir import RunDirectory
 from engine.trainer.tracking import Tracker, phase, step_peak_memory
 from parallel.hybrid_engine import gather_generation_results, split_for_generation
 
@@ -35,45 +38,44 @@ logger = logging.getLogger(__name__)
 
 def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
     """Train; returns the last iteration's metrics. Process groups must already be up."""
-    run = RunDirectory.create(cfg.trainer.default_local_dir)
+    run, trainer = RunDirectory.create(cfg.trainer.default_local_dir), cfg.trainer
     rank = dist.get_rank()
-    attach_rank_log_file(run, rank)
     if rank == 0:
         run.write_config(cfg)
-        trainer = cfg.trainer
-        print(f"[trident] {trainer.project_name}/{trainer.experiment_name}: {run.summary()}", flush=True)
+    say(f"[trident] {trainer.project_name}/{trainer.experiment_name}: {run.summary()}")
+    profiler = StepProfiler(trainer.profile, rank, run.profile_dir)
     parts = build_components(cfg, run)
     step = resume_from_checkpoint(cfg, parts)
     parts.weight_sync.sync(parts.engine)  # the engine serves exactly the (possibly resumed) actor
-    tracker = Tracker(cfg.trainer.logger, tensorboard_dir=run.tensorboard_dir, metrics_file=run.metrics_file,
-                      total_steps=parts.total_training_steps, start_step=step)
+    tracker = Tracker(trainer.logger, run=run, total_steps=parts.total_training_steps, start_step=step,
+                      project=trainer.project_name, experiment=trainer.experiment_name,
+                      config=OmegaConf.to_container(OmegaConf.structured(cfg)), prometheus_port=trainer.prometheus_port)
     metrics: dict[str, float] = {}
-    if parts.val_loader is not None and (cfg.trainer.val_only or (cfg.trainer.val_before_train and step == 0)):
+    if parts.val_loader is not None and (trainer.val_only or (trainer.val_before_train and step == 0)):
         metrics = validate(cfg, parts)
         tracker.log(metrics, step)
-    while step < parts.total_training_steps and not cfg.trainer.val_only:
+    while step < parts.total_training_steps and not trainer.val_only:
         for prompts in parts.train_loader:
             step += 1
-            metrics = ppo_iteration(cfg, parts, prompts, step)
-            if parts.val_loader is not None and cfg.trainer.test_freq > 0 and step % cfg.trainer.test_freq == 0:
+            with profiler.step(step):
+                metrics = ppo_iteration(cfg, parts, prompts, step)
+            if parts.val_loader is not None and trainer.test_freq > 0 and step % trainer.test_freq == 0:
                 metrics.update(validate(cfg, parts))
             tracker.log(metrics, step)
             last = step == parts.total_training_steps
             # save_freq -1: only at the end of the run.
-            if last or (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0):
+            if last or (trainer.save_freq > 0 and step % trainer.save_freq == 0):
                 save_checkpoint(parts, step)
             if last:
                 break
     tracker.close()
     if parts.engine is not None:
         parts.engine.shutdown()
-    if cfg.trainer.export_hf_at_end and not cfg.trainer.val_only:
+    if trainer.export_hf_at_end and not trainer.val_only:
         path = export_hf_model(parts.actor.model_chunks, run.hf_export_dir("actor"),
                                copy_non_weight_files_from=cfg.actor_rollout_ref.model.path)
-        if rank == 0:
-            print(f"[trident] actor exported as a HuggingFace model: {path}", flush=True)
-    if rank == 0:
-        print(f"[trident] done after {step} steps; {run.summary()}", flush=True)
+        say(f"[trident] actor exported as a HuggingFace model: {path}")
+    say(f"[trident] done after {step} steps: {tracker.summary()}\n[trident] {run.summary()}")
     return metrics
 
 
@@ -240,7 +242,7 @@ def _batch_metrics(batch: RolloutBatch, scores, rollout_log_probs, reward_metric
 def validate(cfg: ExperimentConfig, parts: PPOComponents) -> dict[str, float]:
     """Scores of the validation responses: ``rollout.val_kwargs.n`` per prompt with its sampling
     (one greedy response by default). ``val/accuracy`` counts responses scoring 1; with n > 1,
-    ``val/pass@n`` counts prompts with at least one such response."""
+    ``val/pass_at_<n>`` counts prompts with at least one such response."""
     val = cfg.actor_rollout_ref.rollout.val_kwargs
     params = val.sampling_params(cfg.data.max_response_length)
     per_prompt: list[list[float]] = []
@@ -252,7 +254,7 @@ def validate(cfg: ExperimentConfig, parts: PPOComponents) -> dict[str, float]:
     metrics = {"val/score/mean": float(sum(scores) / max(len(scores), 1)),
                "val/accuracy": float(sum(s >= 1.0 for s in scores) / max(len(scores), 1))}
     if val.n > 1:
-        metrics[f"val/pass@{val.n}"] = float(sum(max(group) >= 1.0 for group in per_prompt) / max(len(per_prompt), 1))
+        metrics[f"val/pass_at_{val.n}"] = float(sum(max(group) >= 1.0 for group in per_prompt) / max(len(per_prompt), 1))
     return metrics
 
 
@@ -262,8 +264,7 @@ def save_checkpoint(parts: PPOComponents, step: int) -> None:
              # the roles seed each update's mini-batch shuffle with their call count
              "update_calls": {name: role.num_update_calls for name, role in _trained_roles(parts).items()}}
     path = parts.checkpoints.save(step, parts.checkpoint_targets(), extra_state=extra)
-    if dist.get_rank() == 0:
-        print(f"[trident] checkpoint saved: {path}", flush=True)
+    say(f"[trident] checkpoint saved: {path}")
 
 
 def _trained_roles(parts: PPOComponents) -> dict:
@@ -280,6 +281,5 @@ def resume_from_checkpoint(cfg: ExperimentConfig, parts: PPOComponents) -> int:
     parts.kl_controller.load_state_dict(extra["kl_controller"])
     for name, role in _trained_roles(parts).items():
         role.num_update_calls = extra["update_calls"][name]
-    if dist.get_rank() == 0:
-        print(f"[trident] resumed from {path} (step {extra['step']})", flush=True)
+    say(f"[trident] resumed from {path} (step {extra['step']})")
     return int(extra["step"])

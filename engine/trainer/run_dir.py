@@ -2,9 +2,12 @@
 
     <default_local_dir>/              runs/<project_name>/<experiment_name> by default
         config.yaml                   the resolved experiment config
-        logs/rank_00000.log ...       one log file per rank
+        logs/rank_00000.log ...       one log file per rank: everything the rank and its children print
         tensorboard/                  TensorBoard event files
         metrics.jsonl                 one row of metrics per step
+        wandb/, mlflow.db             the wandb (offline) run and the MLflow store, when those loggers are on
+        prometheus/                   Prometheus file_sd targets: the trainer and the SGLang servers
+        profile/                      torch profiler traces (trainer.profile)
         checkpoints/                  see engine.trainer.checkpoint
         rollout/                      rollout-server logs
         hf/<model>/                   HuggingFace exports (the actor at the end of training)
@@ -17,14 +20,11 @@ checkpoints of the previous attempt; ``timestamped=True`` gives every launch its
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-RANK_LOG_FORMAT = "%(asctime)s rank%(rank)s %(levelname)s %(name)s: %(message)s"
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,14 @@ class RunDirectory:
     def rollout_dir(self) -> Path:
         return self.root / "rollout"
 
+    @property
+    def prometheus_dir(self) -> Path:
+        return self.root / "prometheus"
+
+    @property
+    def profile_dir(self) -> Path:
+        return self.root / "profile"
+
     def hf_export_dir(self, model_name: str) -> Path:
         return self.root / "hf" / model_name
 
@@ -99,26 +107,3 @@ class RunDirectory:
         """The line printed at the start and the end of a run."""
         return (f"run dir: {self.root} | logs: {self.logs_dir} | tensorboard: {self.tensorboard_dir} | "
                 f"metrics: {self.metrics_file} | checkpoints: {self.checkpoints_dir}")
-
-
-class _RankFilter(logging.Filter):
-    def __init__(self, rank: int) -> None:
-        super().__init__()
-        self.rank = rank
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = self.rank
-        return True
-
-
-def attach_rank_log_file(run: RunDirectory, rank: int, level: int = logging.INFO) -> logging.Handler:
-    """Send this process's log records (root logger) to ``logs/rank_<rank>.log`` as well; returns the handler."""
-    handler = logging.FileHandler(run.rank_log_file(rank), mode="a")
-    handler.setLevel(level)
-    handler.addFilter(_RankFilter(rank))
-    handler.setFormatter(logging.Formatter(RANK_LOG_FORMAT))
-    root = logging.getLogger()
-    root.addHandler(handler)
-    if root.getEffectiveLevel() > level:
-        root.setLevel(level)
-    return handler

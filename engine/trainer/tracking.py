@@ -1,35 +1,31 @@
-"""Metrics of the PPO loop: console line, TensorBoard events, JSONL rows; step timers and ETA.
+"""Metrics of the PPO loop: the Tracker that feeds the sinks, step timers and per-phase memory.
 
 The trainer hands ``Tracker.log`` one flat dict per step with the names users know from verl
-(``actor/pg_loss``, ``critic/vf_loss``, ``timing_s/gen``, ``perf/mfu/actor`` ...). Only global
-rank 0 writes; other ranks may call ``log`` and it does nothing there. Values of None are
-skipped (e.g. ``perf/mfu/actor`` on a device without a known peak).
+(``actor/pg_loss``, ``critic/vf_loss``, ``timing_s/gen``, ``perf/mfu/actor`` ...); the sinks
+(``engine.trainer.loggers``) write the same names. Only global rank 0 writes; other ranks may call
+``log`` and it does nothing there. Values of None are skipped (e.g. ``perf/mfu/actor`` on a device
+without a known peak).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import logging
 import math
-import os
 import resource
-import sys
 import time
-from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence, TextIO
 
+import psutil
 import torch
+from tqdm import tqdm
 
-logger = logging.getLogger(__name__)
+from engine.config.trainer import LOGGERS
+from engine.trainer.loggers import (ConsoleSink, JsonlSink, MlflowSink, PrometheusSink, Sink, TensorBoardSink,
+                                    WandbSink)
+from engine.trainer.run_dir import RunDirectory
 
-LOGGERS = ("console", "tensorboard", "jsonl")
-# The numbers a user scans for on the console, in this order (when present in the step's metrics).
-CONSOLE_KEYS = (
-    "critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/entropy",
-    "actor/grad_norm", "critic/vf_loss", "critic/vf_explained_var", "response_length/mean",
-    "perf/throughput", "perf/mfu/actor", "timing_s/step",
-)
+# Validation metrics the end-of-run summary reports (final and best), when the run has them.
+SUMMARY_KEYS = ("val/accuracy", "val/score/mean")
 
 
 def _as_float(name: str, value: Any) -> float:
@@ -41,55 +37,6 @@ def _as_float(name: str, value: Any) -> float:
         return float(value)
     except (TypeError, ValueError):
         raise ValueError(f"metric {name!r} has a non-numeric value {value!r}") from None
-
-
-def format_duration(seconds: float | None) -> str:
-    """``1:02:03`` style (hours:minutes:seconds), ``-`` when unknown."""
-    if seconds is None or not math.isfinite(seconds):
-        return "-"
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, seconds = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{seconds:02d}"
-
-
-class ProgressEstimate:
-    """Progress and ETA of the step loop, from the steps run by this process (resume-aware).
-
-    ETA = (total - done) * mean seconds per step since this process started (its first step may
-    include warm-up; the estimate settles as steps accumulate).
-    """
-
-    def __init__(self, total_steps: int | None, start_step: int = 0, clock=time.monotonic) -> None:
-        self.total_steps = total_steps
-        self.start_step = start_step
-        self._clock = clock
-        self._started = clock()
-
-    def eta_seconds(self, step: int) -> float | None:
-        done_here = step - self.start_step
-        if self.total_steps is None or done_here <= 0:
-            return None
-        per_step = (self._clock() - self._started) / done_here
-        return max(0, self.total_steps - step) * per_step
-
-    def describe(self, step: int) -> str:
-        if self.total_steps is None:
-            return f"step {step}"
-        percent = 100.0 * step / self.total_steps if self.total_steps else 100.0
-        elapsed = self._clock() - self._started
-        return (f"step {step}/{self.total_steps} ({percent:.0f}%) elapsed {format_duration(elapsed)} "
-                f"eta {format_duration(self.eta_seconds(step))}")
-
-
-def format_console_line(step_description: str, metrics: Mapping[str, float],
-                        keys: Sequence[str] = CONSOLE_KEYS) -> str:
-    """One compact line: the progress, then ``name value`` for the key metrics present."""
-    parts = [step_description]
-    for key in keys:
-        if key in metrics:
-            parts.append(f"{key} {metrics[key]:.4g}")
-    return " | ".join(parts)
 
 
 GIB = 1024**3
@@ -139,15 +86,21 @@ def phase(name: str, metrics: dict[str, float], *, synchronize: bool = True) -> 
     seen in the phase as ``perf/max_memory_allocated_gb/<name>`` (GPU) and ``perf/max_rss_gb/<name>``
     (host), so the planner's per-phase estimates can be compared with a run. With ``synchronize``
     the CUDA device is synchronised on entry and exit, so queued GPU work is charged to the phase
-    that launched it.
+    that launched it. The phase is a ``record_function`` range in torch profiler traces and, on
+    GPUs, an NVTX range, so Nsight Systems shows rollout vs training (``trainer.profile``).
     """
     sync = synchronize and torch.cuda.is_available()
     if sync:
         torch.cuda.synchronize()
     reset_peak_memory()
     started = time.perf_counter()
+    ranges = contextlib.ExitStack()
+    ranges.enter_context(torch.profiler.record_function(f"trident/{name}"))
+    if torch.cuda.is_available():
+        ranges.enter_context(torch.cuda.nvtx.range(f"trident/{name}"))
     try:
-        yield
+        with ranges:
+            yield
     finally:
         if sync:
             torch.cuda.synchronize()
@@ -169,108 +122,84 @@ def step_peak_memory(metrics: dict[str, float]) -> dict[str, float]:
 
 
 class Tracker:
-    """Writes each step's metrics to the chosen sinks (``trainer.logger``); only global rank 0 writes.
+    """Writes each step's metrics to the chosen sinks; only global rank 0 writes.
 
     Args:
-        loggers: any of "console", "tensorboard", "jsonl".
-        tensorboard_dir: folder for event files (needed with "tensorboard").
-        metrics_file: the JSONL file (needed with "jsonl"); one ``{"step": n, ...metrics}`` row per step.
+        loggers: any of ``engine.config.trainer.LOGGERS`` (``trainer.logger``).
+        run: the run directory (TensorBoard events, metrics.jsonl, the wandb run, the MLflow store).
         total_steps: for progress and ETA on the console (None: no ETA).
-        start_step: the step a resumed run continues from; JSONL rows and TensorBoard events of
-            later steps (written by the run that crashed after its last checkpoint) are dropped,
-            so every step appears once.
-        console_keys: metrics shown on the console line.
-        console_stream: where console lines go (stdout by default).
+        start_step: the step a resumed run continues from: the sinks drop what the crashed attempt
+            wrote after it, and the ETA counts only this process's steps.
+        project, experiment, config: name the wandb/MLflow run and record the resolved config there.
+        prometheus_port: serve the latest metrics for Prometheus there (None: off).
+        console_stream: where console lines go (default: the terminal, ``engine.trainer.console``).
         rank: the writer's global rank; defaults to torch.distributed's (0 without it).
     """
 
-    def __init__(self, loggers: Sequence[str] = ("console",), *, tensorboard_dir: str | Path | None = None,
-                 metrics_file: str | Path | None = None, total_steps: int | None = None, start_step: int = 0,
-                 console_keys: Sequence[str] = CONSOLE_KEYS, console_stream: TextIO | None = None,
+    def __init__(self, loggers: Sequence[str] = ("console",), *, run: RunDirectory | None = None,
+                 total_steps: int | None = None, start_step: int = 0, project: str = "trident",
+                 experiment: str = "default", config: Mapping[str, Any] | None = None,
+                 prometheus_port: int | None = None, console_stream: TextIO | None = None,
                  rank: int | None = None) -> None:
         unknown = sorted(set(loggers) - set(LOGGERS))
         if unknown:
             raise ValueError(f"trainer.logger has unknown entries {unknown}; choose from {list(LOGGERS)}")
-        if "tensorboard" in loggers and tensorboard_dir is None:
-            raise ValueError("the tensorboard logger needs tensorboard_dir")
-        if "jsonl" in loggers and metrics_file is None:
-            raise ValueError("the jsonl logger needs metrics_file")
+        if set(loggers) - {"console"} and run is None:
+            raise ValueError(f"the loggers {sorted(set(loggers) - {'console'})} need the run directory")
         if rank is None:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.is_writer = rank == 0
-        self.loggers = tuple(loggers)
-        self.console_keys = tuple(console_keys)
-        self.progress = ProgressEstimate(total_steps, start_step)
-        self._console = console_stream or sys.stdout
-        self._tensorboard = None
-        self._jsonl: TextIO | None = None
+        self._summary: dict[str, dict[str, float]] = {}  # key -> final, best, best_step
+        self.sinks: dict[str, Sink] = {}
         if not self.is_writer:
             return
-        if "tensorboard" in loggers:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step hides events of steps after the checkpoint we resumed from.
-            self._tensorboard = SummaryWriter(str(tensorboard_dir), purge_step=start_step + 1 if start_step else None)
-        if "jsonl" in loggers:
-            metrics_file = Path(metrics_file)
-            metrics_file.parent.mkdir(parents=True, exist_ok=True)
-            if start_step and metrics_file.exists():
-                _drop_rows_after(metrics_file, start_step)
-            self._jsonl = open(metrics_file, "a")
+        config = config or {}
+        makers = {
+            "console": lambda: ConsoleSink(total_steps, start_step, console_stream),
+            "tensorboard": lambda: TensorBoardSink(run.tensorboard_dir, start_step),
+            "jsonl": lambda: JsonlSink(run.metrics_file, start_step),
+            "wandb": lambda: WandbSink(run, project, experiment, config),
+            "mlflow": lambda: MlflowSink(run, project, experiment, config),
+        }
+        self.sinks = {name: makers[name]() for name in loggers}
+        if prometheus_port is not None:
+            self.sinks["prometheus"] = PrometheusSink(prometheus_port, run, project, experiment)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Record ``metrics`` (flat name -> scalar; None values skipped) for ``step``."""
         values = {name: _as_float(name, value) for name, value in metrics.items() if value is not None}
         if not self.is_writer:
             return
-        if "console" in self.loggers:
-            print(format_console_line(self.progress.describe(step), values, self.console_keys),
-                  file=self._console, flush=True)
-        if self._tensorboard is not None:
-            for name, value in values.items():
-                self._tensorboard.add_scalar(name, value, global_step=step)
-            self._tensorboard.flush()
-        if self._jsonl is not None:
-            # JSON has no NaN/inf: write them as null, keep the key so the row shows it was logged.
-            row = {"step": step, **{k: (v if math.isfinite(v) else None) for k, v in values.items()}}
-            self._jsonl.write(json.dumps(row, allow_nan=False) + "\n")
-            self._jsonl.flush()
+        for key in SUMMARY_KEYS:
+            if key in values:
+                seen = self._summary.setdefault(key, {"best": -math.inf, "best_step": step})
+                seen["final"] = values[key]
+                if values[key] > seen["best"]:
+                    seen.update(best=values[key], best_step=step)
+        for sink in self.sinks.values():
+            sink.log(values, step)
 
-    def log_text(self, tag: str, text: str, step: int = 0) -> None:
+    def log_text(self, tag: str, text: str) -> None:
         """A text entry in TensorBoard (e.g. the resolved config); nothing on other sinks."""
-        if self.is_writer and self._tensorboard is not None:
-            self._tensorboard.add_text(tag, text, global_step=step)
-            self._tensorboard.flush()
+        sink = self.sinks.get("tensorboard")
+        if isinstance(sink, TensorBoardSink):
+            sink.log_text(tag, text)
+
+    def summary(self) -> str:
+        """The run in one line: total time, and the final and best validation scores."""
+        # The rank's whole wall time: start-up (models, engine) included.
+        parts = [f"{tqdm.format_interval(time.time() - psutil.Process().create_time())} in total"]
+        for key, seen in self._summary.items():
+            parts.append(f"{key} final {seen['final']:.4g}, best {seen['best']:.4g} (step {seen['best_step']})")
+        return "; ".join(parts)
 
     def close(self) -> None:
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
+        for sink in self.sinks.values():
+            sink.close()
+        self.sinks = {}
 
     def __enter__(self) -> "Tracker":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _drop_rows_after(metrics_file: Path, last_step: int) -> None:
-    """Rewrite ``metrics_file`` (atomically) without rows of steps after ``last_step``."""
-    kept = []
-    with open(metrics_file) as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by a crash mid-write
-                logger.warning("%s:%d is not valid JSON; dropping it", metrics_file, number)
-                continue
-            if row.get("step", 0) <= last_step:
-                kept.append(line if line.endswith("\n") else line + "\n")
-    tmp = metrics_file.with_name(metrics_file.name + ".tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, metrics_file)
