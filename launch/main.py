@@ -7,7 +7,10 @@ rank will start (``engine.lifecycle``), the config checked against the launch, t
 tokenizer and reward function checked (``engine.trainer.preflight``). A user's mistake, found
 then or later (a data row, a checkpoint that does not fit, a reward function that keeps failing),
 ends the rank with one message and exit status 2 instead of a traceback; under the ``trident``
-command the messages go to the launcher, which prints each once (``TRIDENT_ERROR_DIR``).
+command the messages go to the launcher, which prints each once (``TRIDENT_ERROR_DIR``). Once the
+config is checked, the rank's output goes to ``<run>/logs/rank_<r>.log`` and only Trident's own
+lines reach the terminal (``engine.trainer.console``); an unexpected exception is one line there,
+its traceback in that log.
 """
 
 from __future__ import annotations
