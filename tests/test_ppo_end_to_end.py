@@ -18,27 +18,28 @@ def run_main(overrides: list[str]) -> None:
     run_main_job("yaml/demo_cpu.yaml", overrides)
 
 
-def test_reward_rises_at_tensor_parallel_2(demo_model, tmp_path):
-    """40 PPO iterations at TP2 (the two ranks split every layer).
+def test_reward_rises(demo_model, tmp_path):
+    """40 PPO iterations at the demo's layout (2 ranks, data parallel 2, bf16).
 
-    Learning is judged by greedy validation (200 prompts, deterministic given the weights) and by
-    the sampled score. Measured with the demo model built to 0.44 on this machine, trainer.seed
-    1/2/3 (``trainer.total_training_steps=40 trainer.test_freq=10``): validation 0.44 -> best of
-    steps 20 and 40 = 0.48/0.53/0.485, so we ask for +0.03 (6 prompts); the sampled score's last-10
-    mean exceeded the SFT policy's own step-1 score (64 samples) by +0.10/+0.14/+0.09,
-    so we ask for +0.05. Most of the sampled rise comes in the first few steps, hence step 1 as the
-    baseline rather than an early-window mean.
+    Learning is judged by greedy validation (200 prompts, deterministic given the weights; it does
+    not perturb training) and by the sampled score. Measured with the demo model built to 0.44 on
+    this machine, trainer.seed 1/2/3: validation 0.44 -> best of steps 20 and 40 = 0.475/0.495/0.485
+    (steps 10-40 of seed 1: 0.435, 0.455, 0.515, 0.475), so with validation every 10 steps we ask
+    for +0.03 (6 prompts); the sampled score's last-10 mean exceeded the SFT policy's own step-1
+    score (64 samples) by +0.117/+0.145/+0.075, so we ask for +0.05. Most of the sampled rise comes
+    in the first few steps, hence step 1 as the baseline. (At TP2 the same run takes 3.5x longer on
+    2 cores; tensor parallelism is held to single-rank parity by the role tests and runs whole jobs
+    in the rehearsals and the two-node test.)
     """
     run_dir = tmp_path / "run"
     run_main([f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=40", "trainer.save_freq=-1",
-              "trainer.test_freq=20", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
-              "critic.megatron.tensor_model_parallel_size=2"])
+              "trainer.test_freq=10"])
     rows = read_metrics(run_dir)
     scores = [r["critic/score/mean"] for r in rows if "critic/score/mean" in r]
     assert len(scores) == 40
     assert sum(scores[-10:]) / 10 - scores[0] > 0.05, scores
     accuracy = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
-    assert len(accuracy) == 3 and max(accuracy[1:]) - accuracy[0] >= 0.03, accuracy
+    assert len(accuracy) == 5 and max(accuracy[1:]) - accuracy[0] >= 0.03, accuracy
     # Train/inference parity: the engine's sampled log-probs equal the trainer's recomputation.
     assert max(r["rollout/log_prob_abs_diff"] for r in rows if "rollout/log_prob_abs_diff" in r) < 1e-4
     assert (run_dir / "tensorboard").glob("events.out.tfevents.*")
