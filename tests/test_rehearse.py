@@ -13,6 +13,7 @@ import transformers
 from engine.models.hf_config import architecture_from_hf
 from launch.plan import KNOWN_ARCHITECTURES
 from launch.rehearse import _generation_tp, tiny_model_config, write_tiny_model
+from launch.rehearse import rehearse as plan_only
 from tests.distributed import REPO_ROOT
 from tests.rollout_support import SGLANG_MARKS
 
@@ -80,12 +81,13 @@ def rehearsal_identity(out_dir: Path) -> str:
 @pytest.mark.dist
 @pytest.mark.parametrize("experiment", [
     pytest.param(name, marks=SGLANG_MARKS if uses_sglang(name) else []) for name in EXPERIMENTS])
-def test_every_experiment_rehearses(experiment, demo_model, tmp_path):
+def test_every_experiment_rehearses(experiment, demo_model, tmp_path, monkeypatch):
     """Each file's rehearsal runs, unless an identical rehearsal already passed in this session: the
     8- and 16-node recipes of a model differ in sizes that the rehearsal caps (PP 8 vs 4, VPP 2 vs 5,
     DP 1 vs 4 all become 2, 2, 1), so their rehearsal configs are byte-identical but for the name."""
-    planned = rehearse(experiment, tmp_path, "--dry-run")
-    assert planned.returncode == 0, planned.stderr[-4000:]
+    # Planned in this process (the CLI's --dry-run, without a fresh interpreter's imports).
+    monkeypatch.chdir(REPO_ROOT)
+    plan_only(experiment, [], steps=2, max_ranks=4, out_dir=tmp_path, timeout_s=0, dry_run=True)
     identity = rehearsal_identity(tmp_path)
     if identity in _PASSED:
         print(f"{experiment}: the same rehearsal as {_PASSED[identity]}, which passed")
@@ -102,3 +104,11 @@ def test_every_experiment_rehearses(experiment, demo_model, tmp_path):
     assert report["world_size"] <= 4 and report["result"]["timing_s/step"] > 0
     assert "passed: 2 steps" in result.stdout
     _PASSED[identity] = experiment
+
+
+def test_dry_run_plans_and_starts_nothing(tmp_path):
+    result = rehearse("yaml/llama3-70b_ppo_8node.yaml", tmp_path, "--dry-run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size: 8 -> 2" in result.stdout
+    assert (tmp_path / "rehearsal.yaml").is_file() and (tmp_path / "model" / "config.json").is_file()
+    assert not (tmp_path / "job.log").exists() and not (tmp_path / "run").exists()
