@@ -10,7 +10,6 @@ start-up (a reward function that fails on every response) are checked on a 2-ran
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path

@@ -164,7 +164,7 @@ def _build_engine(cfg: ExperimentConfig, run: RunDirectory, layout: HybridLayout
                                    extra_server_args=("--enable-metrics",) if metrics else ())
     if metrics:  # SGLang's own /metrics (queue, throughput, KV-cache use) beside the trainer's, for Prometheus
         for server in engine.servers:
-            write_prometheus_target(run.prometheus_dir / f"sglang_{server.port}.json", server.url.split("//")[1],
+            write_prometheus_target(run.prometheus_dir / f"sglang_{server.port}.json", f"{server.config.host}:{server.port}",
                                     {"job": "sglang", "project": cfg.trainer.project_name,
                                      "experiment": cfg.trainer.experiment_name})
     return engine
