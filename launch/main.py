@@ -30,17 +30,18 @@ ERROR_DIR_ENV = "TRIDENT_ERROR_DIR"
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that are the user's to fix (config, inputs, data, checkpoints, the rollout
-    servers' start-up, a failing reward function): reported as a message, not a traceback."""
+    servers' start-up, a failing reward function or judge): reported as a message, not a traceback."""
     from engine.config.errors import ConfigError
     from engine.data.schema import PromptSchemaError
     from engine.models.checkpoint import CheckpointError as ModelCheckpointError
     from engine.models.hf_config import UnsupportedModelError
+    from engine.rewards.judge import JudgeError
     from engine.rewards.manager import RewardFunctionError
     from engine.rollout.base import RolloutError
     from engine.trainer.checkpoint import CheckpointError
 
     return (ConfigError, PromptSchemaError, ModelCheckpointError, UnsupportedModelError, RewardFunctionError,
-            RolloutError, CheckpointError)
+            JudgeError, RolloutError, CheckpointError)
 
 
 def report_error(message: str) -> None:

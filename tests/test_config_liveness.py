@@ -26,6 +26,10 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 SGLANG_ONLY = tuple(f"actor_rollout_ref.rollout.{key}" for key in (
     "gpu_memory_utilization", "startup_timeout_s", "request_timeout_s", "weight_update_timeout_s",
     "check_weight_sync_tolerance"))
+# Keys of the LLM judge (checked by the same test, which also starts a judge server).
+def judge_keys() -> set[str]:
+    return {key for key in leaf_keys() if key.startswith("reward_model.judge.") and key != "reward_model.judge.enable"}
+
 
 
 def leaf_keys() -> set[str]:
@@ -45,6 +49,9 @@ def sometimes_failing(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def scenarios(tmp_path, demo_model) -> list[str]:
+    from tests.test_reward_model import save_tiny_reward_models
+
+    reward_model = save_tiny_reward_models(tmp_path)[0]  # its own chat template: the conversations are re-tokenized
     reward_file = tmp_path / "reward.py"
     reward_file.write_text(REWARD_FILE)
     small = tmp_path / "small.parquet"
@@ -57,14 +64,18 @@ def scenarios(tmp_path, demo_model) -> list[str]:
            "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "critic.warmup_steps=1",
            "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.model.enable_gradient_checkpointing=true",
            "actor_rollout_ref.rollout.check_weight_sync=true", "actor_rollout_ref.rollout.val_kwargs.n=2",
-           "actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.top_k=20"]
+           "actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.top_k=20",
+           "reward_model.enable=true", f"reward_model.model.path={reward_model}", "reward_model.combine.model_weight=0.1",
+           "reward_model.combine.normalize_model_score=true", "reward_model.combine.model_score_clip=3",
+           "reward_model.combine.reward_clip=2"]
     grpo = [*common, f"trainer.default_local_dir={run}/grpo", f"data.train_files={small}", "trainer.total_epochs=1",
             "trainer.total_training_steps=null", "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
             "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01",
             "actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.rollout.top_p=0.9",
             f"reward_model.custom_reward_function.path={reward_file}",
             "reward_model.custom_reward_function.name=sometimes_failing", "reward_model.max_failed_fraction=0.01",
-            "reward_model.max_failed_steps=1000"]
+            "reward_model.max_failed_steps=1000", "reward_model.enable=true", f"reward_model.model.path={reward_model}",
+            "reward_model.combine.mode=gated", "reward_model.combine.gate_threshold=0.5"]
     resumed = [*gae, "trainer.total_training_steps=3", "trainer.resume_mode=resume_path",
                f"trainer.resume_from_path={run}/gae/checkpoints/step_2", "trainer.val_before_train=false"]
     val_only = [*common, f"trainer.default_local_dir={run}/val", "trainer.val_only=true", "reward_model.num_workers=1"]
@@ -80,7 +91,7 @@ def read_keys(tmp_path, runs: list[str]) -> set[str]:
 
 def test_every_key_is_read_at_run_time_or_refused(demo_model, tmp_path):
     read = read_keys(tmp_path, scenarios(tmp_path, demo_model))
-    unread = leaf_keys() - read - set(NOT_BUILT) - set(SGLANG_ONLY)
+    unread = leaf_keys() - read - set(NOT_BUILT) - set(SGLANG_ONLY) - judge_keys()
     assert not unread, f"schema keys no run-time code read: {sorted(unread)}"
 
 
@@ -91,9 +102,11 @@ def test_sglang_keys_are_read(demo_model, tmp_path):
            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8;trainer.total_training_steps=1;"
            f"trainer.val_before_train=false;trainer.export_hf_at_end=false;trainer.default_local_dir={tmp_path}/run;"
            f"actor_rollout_ref.rollout.name=sglang;actor_rollout_ref.rollout.check_weight_sync=true;"
-           f"actor_rollout_ref.rollout.gpu_memory_utilization=0.05;trainer.prometheus_port={find_free_port()}"]
+           f"actor_rollout_ref.rollout.gpu_memory_utilization=0.05;trainer.prometheus_port={find_free_port()};"
+           f"reward_model.judge.enable=true;reward_model.judge.model.path={demo_model.model_dir};"
+           f"reward_model.judge.model.dtype=float32;reward_model.judge.fallback_score=0"]
     read = read_keys(tmp_path, run)
-    assert set(SGLANG_ONLY) <= read, set(SGLANG_ONLY) - read
+    assert set(SGLANG_ONLY) | judge_keys() <= read, (set(SGLANG_ONLY) | judge_keys()) - read
     # With Prometheus on, the server exports its own metrics, listed beside the trainer's.
     target = json.loads(next((tmp_path / "run" / "prometheus").glob("sglang_*.json")).read_text())
     assert target[0]["labels"]["job"] == "sglang"

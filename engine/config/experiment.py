@@ -7,9 +7,8 @@ from engine.config.actor_rollout_ref import ActorRolloutRefConfig
 from engine.config.algorithm import AlgorithmConfig
 from engine.config.critic import CriticConfig, experiment_critic
 from engine.config.data import DataConfig
+from engine.config.reward_model import RewardConfig, experiment_reward_model
 from engine.config.trainer import TrainerConfig
-# The reward pool's own settings class is the `reward_model` section (plain dataclasses, no torch).
-from engine.rewards.config import RewardConfig
 
 
 @dataclass
@@ -26,5 +25,5 @@ class ExperimentConfig:
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
     critic: CriticConfig = field(default_factory=experiment_critic)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    reward_model: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardConfig = field(default_factory=experiment_reward_model)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -57,8 +57,8 @@ SINGLE_OR_LIST_KEYS = ("data.train_files", "data.val_files")
 PATH_KEYS = (
     "data.train_files", "data.val_files",
     "actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path", "critic.model.path",
-    "reward_model.custom_reward_function.path",
-    "trainer.default_local_dir", "trainer.resume_from_path",
+    "reward_model.custom_reward_function.path", "reward_model.model.path", "reward_model.model.tokenizer_path",
+    "reward_model.judge.model.path", "trainer.default_local_dir", "trainer.resume_from_path",
 )
 _OVERRIDE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
@@ -304,6 +304,9 @@ def _fill_derived_defaults(config: ExperimentConfig) -> None:
     model = config.actor_rollout_ref.model
     if model.tokenizer_path is None:
         model.tokenizer_path = model.path
+    reward_model = config.reward_model.model
+    if reward_model.tokenizer_path is None:
+        reward_model.tokenizer_path = reward_model.path
     for dotted in PATH_KEYS:
         owner_path, _, attribute = dotted.rpartition(".")
         owner = config

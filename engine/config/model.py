@@ -80,8 +80,9 @@ class OptimConfig:
 
 
 @dataclass
-class MegatronConfig:
-    """``*.megatron.*``: the Megatron 3D layout and precision of one model.
+class FrozenMegatronConfig:
+    """``reward_model.megatron.*`` (and the first part of every ``*.megatron.*``): the Megatron 3D
+    layout and precision of one model.
 
     The data-parallel size is derived: world_size / (tensor * pipeline * context).
 
@@ -96,8 +97,7 @@ class MegatronConfig:
         sequence_parallel: split the activations outside the tensor-parallel regions along the
             sequence; only takes effect when tensor_model_parallel_size > 1 (with one TP rank there
             is nothing to split), as in Megatron-LM.
-        use_distributed_optimizer: shard the optimizer state over the data-parallel ranks (ZeRO-1).
-        param_dtype: training precision of the weights: "bfloat16" (fp32 main weights and
+        param_dtype: precision of the weights: "bfloat16" (trained models keep fp32 main weights and
             gradients), "float16" (also dynamic loss scaling) or "float32".
         seed: seed of this model's initialisation (the critic's value head) and of megatron's
             model-parallel RNG streams while it is built.
@@ -109,7 +109,6 @@ class MegatronConfig:
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     sequence_parallel: bool = True
-    use_distributed_optimizer: bool = True
     param_dtype: str = "bfloat16"
     seed: int = 42
 
@@ -125,3 +124,15 @@ class MegatronConfig:
             expert_model_parallel_size=self.expert_model_parallel_size,
             sequence_parallel=self.sequence_parallel and self.tensor_model_parallel_size > 1,
         )
+
+
+@dataclass
+class MegatronConfig(FrozenMegatronConfig):
+    """``actor_rollout_ref.actor.megatron.*``, ``critic.megatron.*``: the layout and precision of a
+    trained model (see ``FrozenMegatronConfig``), and how its optimizer is laid out.
+
+    Attributes:
+        use_distributed_optimizer: shard the optimizer state over the data-parallel ranks (ZeRO-1).
+    """
+
+    use_distributed_optimizer: bool = True

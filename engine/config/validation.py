@@ -23,6 +23,7 @@ from engine.config.data import TRUNCATION_MODES
 from engine.config.errors import ConfigError
 from engine.config.experiment import ExperimentConfig
 from engine.config.model import LR_DECAY_STYLES, PARAM_DTYPES, MegatronConfig, OptimConfig
+from engine.config.reward_model import COMBINE_MODES
 from engine.config.trainer import LOGGER_EXTRAS, LOGGERS, PROFILE_TOOLS, RESUME_MODES
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ def validate(config: ExperimentConfig, world_size: int | None = None) -> None:
         _check_critic_layout(config)
         _check_model_shape("critic.model.path", config.critic.model.path, "critic.megatron", config.critic.megatron)
         _check_critic_batches(config, actor_dp)
+    _check_reward_sources(config)
 
 
 # ----------------------------------------------------------------------------- names
@@ -79,6 +81,9 @@ def _check_choices(config: ExperimentConfig) -> None:
         ("critic.optim.lr_decay_style", config.critic.optim.lr_decay_style, LR_DECAY_STYLES),
         (f"{ACTOR}.megatron.param_dtype", arr.actor.megatron.param_dtype, PARAM_DTYPES),
         ("critic.megatron.param_dtype", config.critic.megatron.param_dtype, PARAM_DTYPES),
+        ("reward_model.megatron.param_dtype", config.reward_model.megatron.param_dtype, PARAM_DTYPES),
+        ("reward_model.combine.mode", config.reward_model.combine.mode, COMBINE_MODES),
+        ("reward_model.judge.model.dtype", config.reward_model.judge.model.dtype, ROLLOUT_DTYPES),
         ("trainer.resume_mode", trainer.resume_mode, RESUME_MODES),
         ("trainer.profile.tool", trainer.profile.tool, PROFILE_TOOLS),
     ]
@@ -113,6 +118,8 @@ NOT_BUILT: dict[str, tuple[Any, str]] = {
     "critic.megatron.context_parallel_size": (1, _CONTEXT_PARALLEL),
     f"{ACTOR}.megatron.expert_model_parallel_size": (1, _EXPERT_PARALLEL),
     "critic.megatron.expert_model_parallel_size": (1, _EXPERT_PARALLEL),
+    "reward_model.megatron.context_parallel_size": (1, _CONTEXT_PARALLEL),
+    "reward_model.megatron.expert_model_parallel_size": (1, _EXPERT_PARALLEL),
     f"{ROLLOUT}.mode": ("colocated", "rollout on GPUs of its own is not built yet; the engine runs colocated with "
                                      f"training ({ROLLOUT}.mode=colocated)"),
 }
@@ -500,3 +507,76 @@ def _check_critic_batches(config: ExperimentConfig, critic_dp: int) -> None:
     # (The value pass cuts the whole batch with the update's micro-batch size: whole mini-batches of
     # whole micro-batches, so the update's checks cover it.)
     _check_ppo_batches("critic", config.critic, critic_dp, config.critic.use_dynamic_bsz, config)
+
+
+# ----------------------------------------------------------------------------- rewards
+
+
+def _check_reward_sources(config: ExperimentConfig) -> None:
+    """The reward model and the judge: switched on with what they need, one mesh, sane numbers."""
+    import re
+
+    reward, combine, judge = config.reward_model, config.reward_model.combine, config.reward_model.judge
+    if combine.rule_weight == 0 and not reward.enable and not judge.enable:
+        raise ConfigError("reward_model.combine.rule_weight=0 with neither reward_model.enable nor "
+                          "reward_model.judge.enable leaves no reward to train on; set one of them.")
+    for name in ("model_score_clip", "reward_clip"):
+        value = getattr(combine, name)
+        _require(value is None or value > 0, f"reward_model.combine.{name}", value, "> 0 or null (no clip)")
+    if reward.enable:
+        if not reward.model.path:
+            raise ConfigError("reward_model.enable=true needs reward_model.model.path: the HF folder of a "
+                              "*ForSequenceClassification reward model.")
+        _check_reward_model_folder(reward.model.path)
+        layout, actor = reward.megatron.layout(), config.actor_rollout_ref.actor.megatron.layout()
+        if layout != actor:
+            raise ConfigError(
+                f"reward_model.megatron's layout {layout.describe()} differs from the actor's {actor.describe()}: "
+                f"the reward model runs on the actor's mesh, so leave its parallel sizes at their defaults (the "
+                f"actor's) or set them equal.")
+        _check_positive(reward, "reward_model", ("forward_max_token_len_per_gpu",))
+        _check_positive(reward, "reward_model", ("micro_batch_size_per_gpu",), allow_none=True)
+        if not reward.use_dynamic_bsz and reward.micro_batch_size_per_gpu is None:
+            raise ConfigError("reward_model.micro_batch_size_per_gpu is not set: set it (sequences per forward on "
+                              "one rank) or reward_model.use_dynamic_bsz=true.")
+    if judge.enable:
+        if not judge.url and not judge.model.path:
+            raise ConfigError("reward_model.judge.enable=true needs reward_model.judge.url (an OpenAI-compatible "
+                              "endpoint) or reward_model.judge.model.path (Trident then starts an SGLang server).")
+        if judge.model.path and not judge.url and not Path(judge.model.path, "config.json").is_file():
+            raise ConfigError(f"reward_model.judge.model.path={judge.model.path!r} has no config.json.")
+        try:
+            re.compile(judge.score_pattern)
+        except re.error as error:
+            raise ConfigError(f"reward_model.judge.score_pattern={judge.score_pattern!r} is not a regular "
+                              f"expression: {error}.") from None
+        if "{response}" not in judge.prompt_template:
+            raise ConfigError("reward_model.judge.prompt_template must contain {response} (and usually {prompt}).")
+        _require(judge.max_score > 0, "reward_model.judge.max_score", judge.max_score, "> 0")
+        _check_positive(judge, "reward_model.judge", ("max_tokens", "max_concurrency"))
+        _check_positive(judge.model, "reward_model.judge.model", ("tensor_model_parallel_size",))
+        _require(judge.timeout_s > 0, "reward_model.judge.timeout_s", judge.timeout_s, "> 0 seconds")
+        _require(judge.model.startup_timeout_s > 0, "reward_model.judge.model.startup_timeout_s",
+                 judge.model.startup_timeout_s, "> 0 seconds")
+        _require(judge.max_retries >= 0, "reward_model.judge.max_retries", judge.max_retries, ">= 0")
+        _require(0 < judge.model.gpu_memory_utilization <= 1, "reward_model.judge.model.gpu_memory_utilization",
+                 judge.model.gpu_memory_utilization, "in (0, 1]")
+
+
+def _check_reward_model_folder(path: str) -> None:
+    """A local reward model folder must hold a one-label sequence classifier (a remote path is
+    checked when it is loaded)."""
+    config_file = Path(path, "config.json")
+    if not config_file.is_file():
+        if Path(path).exists():
+            raise ConfigError(f"reward_model.model.path={path!r} has no config.json.")
+        return
+    hf = json.loads(config_file.read_text())
+    architectures = hf.get("architectures") or []
+    if not any(name.endswith("ForSequenceClassification") for name in architectures):
+        raise ConfigError(f"reward_model.model.path={path!r} is a {architectures or 'model without architectures'}, "
+                          f"not a *ForSequenceClassification reward model (a causal LM has no score head).")
+    labels = hf.get("num_labels", len(hf.get("id2label") or {}) or 2)
+    if labels != 1:
+        raise ConfigError(f"reward_model.model.path={path!r} has {labels} labels; a reward model scores with one "
+                          f"(num_labels=1).")

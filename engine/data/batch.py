@@ -25,6 +25,8 @@ class PromptBatch:
         dataset_indices: [batch] int64 row of the prompt in its `PromptDataset`.
         raw_prompt_ids: unpadded token ids per row (what a rollout engine is sent).
         data_sources, ground_truths, extra_infos, abilities: the row metadata the reward needs.
+        messages: the rows' chat messages before the template (a reward model or judge with a
+            template of its own renders them again).
     """
 
     input_ids: torch.Tensor
@@ -37,6 +39,7 @@ class PromptBatch:
     ground_truths: list[Any]
     extra_infos: list[dict[str, Any]]
     abilities: list[str]
+    messages: list[list[dict[str, str]]]
 
     def __len__(self) -> int:
         return len(self.raw_prompt_ids)
@@ -58,7 +61,7 @@ class PromptBatch:
             dataset_indices=self.dataset_indices.repeat_interleave(repeats),
             raw_prompt_ids=repeat_list(self.raw_prompt_ids), data_sources=repeat_list(self.data_sources),
             ground_truths=repeat_list(self.ground_truths), extra_infos=repeat_list(self.extra_infos),
-            abilities=repeat_list(self.abilities))
+            abilities=repeat_list(self.abilities), messages=repeat_list(self.messages))
 
 
 def collate_prompts(samples: Sequence[PromptSample], dataset_indices: Sequence[int], prompt_uids: Sequence[int],
@@ -86,7 +89,8 @@ def collate_prompts(samples: Sequence[PromptSample], dataset_indices: Sequence[i
         data_sources=[sample.record.data_source for sample in samples],
         ground_truths=[sample.record.ground_truth for sample in samples],
         extra_infos=[sample.record.extra_info for sample in samples],
-        abilities=[sample.record.ability for sample in samples])
+        abilities=[sample.record.ability for sample in samples],
+        messages=[sample.record.messages for sample in samples])
 
 
 class PromptDataLoader:

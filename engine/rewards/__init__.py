@@ -6,7 +6,7 @@ pay for importing torch.
 import importlib
 
 _EXPORTS = {
-    "CustomRewardFunctionConfig": "engine.rewards.config", "RewardConfig": "engine.rewards.config",
+    "CustomRewardFunctionConfig": "engine.config.reward_model", "RewardConfig": "engine.config.reward_model",
     "RewardFunctionError": "engine.rewards.manager", "RewardManager": "engine.rewards.manager",
     "RewardResult": "engine.rewards.manager",
     "decode_responses": "engine.rewards.manager", "token_level_scores": "engine.rewards.manager",

@@ -8,7 +8,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from engine.rewards.config import RewardConfig
+from engine.config.reward_model import RewardConfig
 from engine.rewards.registry import has_builtin_scorer, resolve_compute_score
 from engine.rewards.scoring import ScoredSample, score_one
 

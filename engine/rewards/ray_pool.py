@@ -6,7 +6,7 @@ import math
 import os
 from typing import Any, Sequence
 
-from engine.rewards.config import RewardConfig
+from engine.config.reward_model import RewardConfig
 from engine.rewards.registry import resolve_compute_score
 from engine.rewards.scoring import ScoredSample, score_one
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from engine.rewards import gsm8k, reasoning_gym_tasks
-from engine.rewards.config import RewardConfig
+from engine.config.reward_model import RewardConfig
 
 ComputeScore = Callable[..., "float | dict[str, Any]"]
 GSM8K_DATA_SOURCES = ("openai/gsm8k", "gsm8k")

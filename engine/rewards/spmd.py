@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from engine.rewards.config import RewardConfig
+from engine.config.reward_model import RewardConfig
 from engine.rewards.manager import RewardManager, RewardResult, batch_items
 from engine.rewards.scoring import ScoredSample
 

@@ -56,6 +56,8 @@ class SGLangServerConfig:
     max_total_tokens: int | None = None
     random_seed: int | None = None
     trust_remote_code: bool = False
+    # The trainer's rollout servers take and return token ids; a judge serves chat text.
+    skip_tokenizer_init: bool = True
     extra_args: tuple[str, ...] = ()
     python_executable: str = sys.executable
 
@@ -121,12 +123,12 @@ class SGLangServer:
             "--tp-size", str(cfg.rollout.tensor_model_parallel_size),
             "--mem-fraction-static", str(cfg.rollout.gpu_memory_utilization),
             "--dtype", cfg.rollout.dtype,
-            # The trainer sends token ids and reads token ids back.
-            "--skip-tokenizer-init",
             # An idle scheduler otherwise spins a CPU core per server for the whole training phase
             # (measured: 94-100% of a core on CPU), taking it from the trainer's own processes.
             "--sleep-on-idle",
         ]
+        if cfg.skip_tokenizer_init:
+            args.append("--skip-tokenizer-init")
         if cfg.context_length is not None:
             args += ["--context-length", str(cfg.context_length)]
         if cfg.max_total_tokens is not None:

@@ -17,12 +17,16 @@ import torch.distributed as dist
 from engine.algo.kl import build_kl_controller
 from engine.config import ExperimentConfig, MegatronConfig, ModelConfig
 from engine.data import PromptDataLoader, PromptDataset
+from engine.rewards.judge import JudgeClient
 from engine.rewards.manager import RewardManager
+from engine.rewards.reward_model import RewardModelScorer
 from engine.rewards.spmd import reward_manager_for_this_rank
 from engine.roles import MegatronActor, MegatronCritic, MicroBatchConfig, ReferencePolicy
 from engine.rollout.base import RolloutEngine
+from engine.rollout.sglang_server import SGLangServer
 from engine.sync import WeightSynchronizer
 from engine.trainer.checkpoint import CheckpointManager, CheckpointTarget
+from engine.trainer.console import say
 from engine.trainer.loggers import write_prometheus_target
 from engine.trainer.run_dir import RunDirectory
 from parallel.hybrid_engine import HybridLayout
@@ -43,6 +47,10 @@ class PPOComponents:
     engine: RolloutEngine | None  # only on generation-replica leaders
     weight_sync: WeightSynchronizer
     rewards: RewardManager
+    scores_rules: bool  # rule scores are computed (in the reward, or logged beside it)
+    reward_model: RewardModelScorer | None
+    judge: JudgeClient | None
+    judge_server: SGLangServer | None  # the judge's server, on global rank 0 when Trident started it
     kl_controller: Any
     checkpoints: CheckpointManager
     total_training_steps: int
@@ -64,7 +72,7 @@ def _build_model(model: ModelConfig, megatron: MegatronConfig, value_head: bool,
     applies to trained models only."""
     from megatron.core import tensor_parallel
 
-    from engine.models.checkpoint import load_hf_weights
+    from engine.models.checkpoint import CheckpointError, load_hf_weights
     from engine.models.gpt import build_model_chunks, recompute_settings
 
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
@@ -75,7 +83,11 @@ def _build_model(model: ModelConfig, megatron: MegatronConfig, value_head: bool,
         chunks = build_model_chunks(model.path, megatron.layout(), value_head=value_head, initialize_weights=True,
                                     params_dtype=getattr(torch, megatron.param_dtype),
                                     **recompute_settings(trained and model.enable_gradient_checkpointing))
-    load_hf_weights(chunks, model.path)
+    missing = load_hf_weights(chunks, model.path)
+    # A frozen scorer (the reward model) needs its trained head; HF's has no bias (ours stays 0).
+    if value_head and not trained and "output_layer.weight" in missing:
+        raise CheckpointError(f"{model.path} has no score head (score.weight): the reward model must be a "
+                              f"*ForSequenceClassification checkpoint with num_labels=1")
     return chunks
 
 
@@ -98,7 +110,7 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
         val_set = PromptDataset.from_config(data, tokenizer, "val")
         val_loader = PromptDataLoader.for_validation(val_set, data, data_parallel_rank=dp_rank, data_parallel_size=dp_size)
     rewards = reward_manager_for_this_rank(cfg.reward_model)
-    rewards.check_data_sources(train_set.data_sources)
+    scores_rules = _rule_scores_available(cfg, rewards, train_set.data_sources)
 
     batches_per_epoch = len(train_set) // data.train_batch_size
     if batches_per_epoch == 0:
@@ -127,17 +139,75 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
                                 samples_per_prompt=n, total_optimizer_steps=_optimizer_steps(total_steps, cfg.critic, data),
                                 seed=seed)
 
+    reward_model = None
+    if cfg.reward_model.enable:
+        reward_model = _build_reward_model(cfg, tokenizer)
+
     weight_sync = WeightSynchronizer(actor_role.model_chunks, actor.megatron.layout(), arr.rollout)
     engine = _build_engine(cfg, run, weight_sync.layout) if weight_sync.is_replica_leader else None
+    judge, judge_server = _start_judge(cfg, run) if cfg.reward_model.judge.enable else (None, None)
     dist.barrier()
 
     return PPOComponents(
         tokenizer=tokenizer, train_loader=train_loader, val_loader=val_loader, actor=actor_role, reference=reference,
-        critic=critic, engine=engine, weight_sync=weight_sync, rewards=rewards,
+        critic=critic, engine=engine, weight_sync=weight_sync, rewards=rewards, scores_rules=scores_rules,
+        reward_model=reward_model, judge=judge, judge_server=judge_server,
         kl_controller=build_kl_controller(cfg.algorithm.kl_ctrl),
         checkpoints=CheckpointManager(run.checkpoints_dir, max_ckpt_to_keep=cfg.trainer.max_ckpt_to_keep),
         total_training_steps=total_steps, data_parallel_group=parallel_state.get_data_parallel_group(),
     )
+
+
+def _rule_scores_available(cfg: ExperimentConfig, rewards: RewardManager, data_sources: set[str]) -> bool:
+    """Rule scores are needed when they weigh in the reward or gate it; with ``rule_weight: 0``
+    they are still computed for the metrics if every data source has a scorer."""
+    combine = cfg.reward_model.combine
+    if combine.rule_weight != 0 or combine.mode == "gated":
+        rewards.check_data_sources(data_sources)
+        return True
+    try:
+        rewards.check_data_sources(data_sources)
+    except ValueError as error:
+        logger.info("reward_model.combine.rule_weight=0 and no rule scores are logged: %s", error)
+        return False
+    return True
+
+
+def _build_reward_model(cfg: ExperimentConfig, policy_tokenizer) -> RewardModelScorer:
+    """The frozen reward model on the actor's mesh, with its own tokenizer (``reward_model.model``)."""
+    from transformers import AutoTokenizer
+
+    from engine.rewards.reward_model import RewardModelInputs
+    from engine.roles.reward_model import MegatronRewardModel
+
+    section = cfg.reward_model
+    chunks = _build_model(section.model, section.megatron, value_head=True, trained=False)
+    tokenizer = AutoTokenizer.from_pretrained(section.model.tokenizer_path,
+                                              trust_remote_code=section.model.trust_remote_code)
+    return RewardModelScorer(MegatronRewardModel(chunks, section), RewardModelInputs(policy_tokenizer, tokenizer))
+
+
+def _start_judge(cfg: ExperimentConfig, run: RunDirectory) -> tuple[JudgeClient, SGLangServer | None]:
+    """The judge's client on every rank; with no ``judge.url``, global rank 0 first starts an SGLang
+    server from ``judge.model.path`` (on its own GPUs' share, ``judge.model.gpu_memory_utilization``)."""
+    from engine.config.actor_rollout_ref import RolloutConfig
+    from engine.rollout.sglang_server import SGLangServerConfig
+
+    judge = cfg.reward_model.judge
+    server, box = None, [judge.url, None]
+    if judge.url is None and dist.get_rank() == 0:
+        settings = RolloutConfig(tensor_model_parallel_size=judge.model.tensor_model_parallel_size, dtype=judge.model.dtype,
+                                 gpu_memory_utilization=judge.model.gpu_memory_utilization,
+                                 startup_timeout_s=judge.model.startup_timeout_s)
+        server = SGLangServer(SGLangServerConfig(model_path=judge.model.path, log_path=run.rollout_dir / "judge.log",
+                                                 rollout=settings, skip_tokenizer_init=False))
+        server.start()
+        server.wait_until_ready()
+        box = [server.url, str(server.log_path)]
+    if judge.url is None:
+        dist.broadcast_object_list(box, src=0)
+    say(f"[trident] LLM judge: {box[0]}" + (f" (SGLang server, log {box[1]})" if box[1] else ""))
+    return JudgeClient(judge, box[0], server_log=box[1]), server
 
 
 def _optimizer_steps(iterations: int, role, data) -> int:

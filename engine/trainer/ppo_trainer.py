@@ -19,7 +19,9 @@ from engine.algo.advantages import AdvantageInputs, compute_advantages
 from engine.algo.kl import apply_kl_penalty
 from engine.algo.stats import masked_mean
 from engine.config import ExperimentConfig
-from engine.rewards.manager import RewardResult, decode_responses, token_level_scores
+from engine.config.reward_model import RewardCombineConfig
+from engine.rewards.combine import RewardScores, combine_rewards
+from engine.rewards.manager import decode_responses, token_level_scores
 from engine.rewards.spmd import score_on_all_ranks
 from engine.roles import RolloutBatch
 from engine.rollout.base import KV_CACHE, MEMORY_TAGS, WEIGHTS, SamplingParams
@@ -71,6 +73,8 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
     tracker.close()
     if parts.engine is not None:
         parts.engine.shutdown()
+    if parts.judge_server is not None:
+        parts.judge_server.stop()
     if trainer.export_hf_at_end and not trainer.val_only:
         path = export_hf_model(parts.actor.model_chunks, run.hf_export_dir("actor"),
                                copy_non_weight_files_from=cfg.actor_rollout_ref.model.path)
@@ -108,13 +112,11 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
         with phase("values", metrics):
             batch.values = parts.critic.compute_values(batch)
     with phase("reward", metrics):
-        scored = _score(parts, batch, meta)
-        parts.rewards.check_training_step(scored, meta["data_sources"])  # a function that keeps failing stops the run
-        scores = torch.as_tensor(scored.scores, dtype=torch.float32)
+        scores, _, reward_metrics = _score(parts, batch, meta, cfg.reward_model.combine, training=True)
         rewards = token_level_scores(scores, batch.response_mask)
         baseline = None
         if greedy is not None:
-            baseline = torch.as_tensor(_score(parts, *greedy[:2]).scores, dtype=torch.float32)
+            baseline, _, _ = _score(parts, *greedy[:2], cfg.reward_model.combine)
             metrics["critic/greedy_score/mean"] = baseline.mean().item()
             baseline = baseline.repeat_interleave(rollout.n)
     with phase("adv", metrics):
@@ -139,7 +141,7 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
         parts.weight_sync.sync(parts.engine)
         _resume_engine_memory(parts, (KV_CACHE,))
     metrics["timing_s/step"] = time.perf_counter() - start  # phase() names its entries timing_s/<phase>
-    metrics.update(_batch_metrics(batch, scores, rollout_log_probs, scored.metrics))
+    metrics.update(_batch_metrics(batch, scores, rollout_log_probs, reward_metrics))
     tokens = int(batch.attention_mask.sum())
     metrics["perf/total_num_tokens"] = tokens
     # HybridFlow's throughput: prompt + response tokens of the global batch / iteration time, per device.
@@ -183,23 +185,42 @@ def generate(parts: PPOComponents, prompts, params: SamplingParams):
     shard = {
         "prompts": prompts.raw_prompt_ids, "responses": per_dp_rank, "uids": prompts.prompt_uids.tolist(),
         "data_sources": prompts.data_sources, "ground_truths": prompts.ground_truths,
-        "extra_infos": prompts.extra_infos,
+        "extra_infos": prompts.extra_infos, "messages": prompts.messages,
     }
     shards: list = [None] * dist.get_world_size(parts.data_parallel_group)
     dist.all_gather_object(shards, shard, group=parts.data_parallel_group)
     merged = {key: [item for s in shards for item in s[key]] for key in shard}
     batch, rollout_log_probs = _to_rollout_batch(merged["prompts"], merged["responses"], params.max_new_tokens,
                                                  parts.tokenizer.pad_token_id or 0)
-    meta = {key: merged[key] for key in ("data_sources", "ground_truths", "extra_infos")}
+    meta = {key: merged[key] for key in ("data_sources", "ground_truths", "extra_infos", "messages")}
     meta["uids"] = torch.as_tensor(merged["uids"], dtype=torch.long)
     return batch, meta, rollout_log_probs
 
 
-def _score(parts: PPOComponents, batch: RolloutBatch, meta: dict) -> RewardResult:
-    """The rule rewards of the decoded responses, each scored on one rank (``score_on_all_ranks``)."""
+def _score(parts: PPOComponents, batch: RolloutBatch, meta: dict, combine: RewardCombineConfig,
+           training: bool = False) -> tuple[torch.Tensor, RewardScores, dict[str, float]]:
+    """The reward of each response, ``[B]`` on every rank: its rule score (each response scored on
+    one rank, ``score_on_all_ranks``), reward-model score and judge score, combined by
+    ``reward_model.combine``; the scores of each source; and the ``reward/*`` metrics. ``training`` counts failing rule calls
+    (a function that keeps failing stops the run)."""
     responses = decode_responses(parts.tokenizer, batch.input_ids[:, -batch.response_length:], batch.response_mask)
-    return score_on_all_ranks(parts.rewards, responses, meta["data_sources"], meta["ground_truths"],
-                              meta["extra_infos"])
+    sources, metrics = RewardScores(), {}
+    if parts.scores_rules:
+        rule = score_on_all_ranks(parts.rewards, responses, meta["data_sources"], meta["ground_truths"],
+                                  meta["extra_infos"])
+        if training:
+            parts.rewards.check_training_step(rule, meta["data_sources"])
+        sources.rule = rule.scores
+        metrics.update(rule.metrics)
+    if parts.reward_model is not None:
+        sources.model, model_metrics = parts.reward_model.score(batch, meta["messages"], responses)
+        metrics.update(model_metrics)
+    if parts.judge is not None:
+        sources.judge, judge_metrics = parts.judge.score_on_all_ranks(meta["messages"], responses)
+        metrics.update(judge_metrics)
+    scores, combined_metrics = combine_rewards(sources, combine)
+    metrics.update(combined_metrics)
+    return scores, sources, metrics
 
 
 def _to_rollout_batch(prompts, responses, response_length: int, pad_id: int):
@@ -241,45 +262,28 @@ def _batch_metrics(batch: RolloutBatch, scores, rollout_log_probs, reward_metric
 
 def validate(cfg: ExperimentConfig, parts: PPOComponents) -> dict[str, float]:
     """Scores of the validation responses: ``rollout.val_kwargs.n`` per prompt with its sampling
-    (one greedy response by default). ``val/accuracy`` counts responses scoring 1; with n > 1,
-    ``val/pass_at_<n>`` counts prompts with at least one such response."""
+    (one greedy response by default). ``val/score/mean`` is the reward (all sources combined),
+    ``val/reward_model/mean`` the reward model's score; ``val/accuracy`` counts responses whose rule
+    score is 1, and with n > 1 ``val/pass_at_<n>`` prompts with at least one (both need rule scores)."""
     val = cfg.actor_rollout_ref.rollout.val_kwargs
     params = val.sampling_params(cfg.data.max_response_length)
-    per_prompt: list[list[float]] = []
+    rewards: list[float] = []
+    model_scores: list[float] = []
+    per_prompt: list[list[float]] = []  # rule scores; each prompt's n responses are consecutive
     for prompts in parts.val_loader:
         batch, meta, _ = generate(parts, prompts.repeat_interleave(val.n), params)
-        scores = _score(parts, batch, meta).scores  # each prompt's n responses are consecutive
-        per_prompt += [scores[i:i + val.n] for i in range(0, len(scores), val.n)]
-    scores = [score for group in per_prompt for score in group]
-    metrics = {"val/score/mean": float(sum(scores) / max(len(scores), 1)),
-               "val/accuracy": float(sum(s >= 1.0 for s in scores) / max(len(scores), 1))}
-    if val.n > 1:
-        metrics[f"val/pass_at_{val.n}"] = float(sum(max(group) >= 1.0 for group in per_prompt) / max(len(per_prompt), 1))
+        scores, sources, _ = _score(parts, batch, meta, cfg.reward_model.combine)
+        rewards += scores.tolist()
+        if sources.model is not None:
+            model_scores += sources.model.tolist()
+        if sources.rule is not None:
+            per_prompt += [sources.rule[i:i + val.n].tolist() for i in range(0, len(sources.rule), val.n)]
+    metrics = {"val/score/mean": float(sum(rewards) / max(len(rewards), 1))}
+    if model_scores:
+        metrics["val/reward_model/mean"] = float(sum(model_scores) / len(model_scores))
+    if per_prompt:
+        rule = [score for group in per_prompt for score in group]
+        metrics["val/accuracy"] = float(sum(s >= 1.0 for s in rule) / len(rule))
+        if val.n > 1:
+            metrics[f"val/pass_at_{val.n}"] = float(sum(max(group) >= 1.0 for group in per_prompt) / len(per_prompt))
     return metrics
-
-
-def save_checkpoint(parts: PPOComponents, step: int) -> None:
-    """Everything ``resume_from_checkpoint`` needs to continue exactly after ``step`` (collective)."""
-    extra = {"step": step, "sampler": parts.train_loader.state_dict(), "kl_controller": parts.kl_controller.state_dict(),
-             # the roles seed each update's mini-batch shuffle with their call count
-             "update_calls": {name: role.num_update_calls for name, role in _trained_roles(parts).items()}}
-    path = parts.checkpoints.save(step, parts.checkpoint_targets(), extra_state=extra)
-    say(f"[trident] checkpoint saved: {path}")
-
-
-def _trained_roles(parts: PPOComponents) -> dict:
-    return {"actor": parts.actor, **({"critic": parts.critic} if parts.critic is not None else {})}
-
-
-def resume_from_checkpoint(cfg: ExperimentConfig, parts: PPOComponents) -> int:
-    """Load the checkpoint ``trainer.resume_mode`` picks into ``parts``; the step it ends, or 0."""
-    path = parts.checkpoints.resolve_resume(cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
-    if path is None:
-        return 0
-    extra = parts.checkpoints.load(path, parts.checkpoint_targets())
-    parts.train_loader.load_state_dict(extra["sampler"])
-    parts.kl_controller.load_state_dict(extra["kl_controller"])
-    for name, role in _trained_roles(parts).items():
-        role.num_update_calls = extra["update_calls"][name]
-    say(f"[trident] resumed from {path} (step {extra['step']})")
-    return int(extra["step"])
