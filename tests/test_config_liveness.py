@@ -26,10 +26,12 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 SGLANG_ONLY = tuple(f"actor_rollout_ref.rollout.{key}" for key in (
     "gpu_memory_utilization", "startup_timeout_s", "request_timeout_s", "weight_update_timeout_s",
     "check_weight_sync_tolerance"))
-# Keys of the LLM judge (checked by the same test, which also starts a judge server).
-def judge_keys() -> set[str]:
-    return {key for key in leaf_keys() if key.startswith("reward_model.judge.") and key != "reward_model.judge.enable"}
 
+
+def judge_keys() -> set[str]:
+    """Keys only the LLM judge reads (checked by the SGLang test, which also starts a judge server)."""
+    return {key for key in leaf_keys() if key.startswith("reward_model.judge.") and key != "reward_model.judge.enable"
+            } | {"reward_model.combine.judge_weight"}
 
 
 def leaf_keys() -> set[str]:
@@ -104,7 +106,9 @@ def test_sglang_keys_are_read(demo_model, tmp_path):
            f"actor_rollout_ref.rollout.name=sglang;actor_rollout_ref.rollout.check_weight_sync=true;"
            f"actor_rollout_ref.rollout.gpu_memory_utilization=0.05;trainer.prometheus_port={find_free_port()};"
            f"reward_model.judge.enable=true;reward_model.judge.model.path={demo_model.model_dir};"
-           f"reward_model.judge.model.dtype=float32;reward_model.judge.fallback_score=0"]
+           f"reward_model.judge.model.dtype=float32;reward_model.judge.fallback_score=0;"
+           # The demo model answers this with a number (its task), so replies parse.
+           f"reward_model.judge.prompt_template='{{prompt}} {{response}}';reward_model.judge.max_score=200"]
     read = read_keys(tmp_path, run)
     assert set(SGLANG_ONLY) | judge_keys() <= read, (set(SGLANG_ONLY) | judge_keys()) - read
     # With Prometheus on, the server exports its own metrics, listed beside the trainer's.

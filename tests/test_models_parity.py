@@ -18,6 +18,20 @@ LAYOUTS = ["1,1,0", "2,1,0", "1,2,0", "2,2,0", "1,2,2", "2,1,0,1"]  # tp,pp,vpp[
 CRITIC_LAYOUTS = ["2,2,0,1", "1,2,2"]
 
 
+@torch.no_grad()
+def away_from_init(model):
+    """Weights unlike their initial values (norms != 1, biases != 0, larger matrices), so a mapping
+    mistake that init values would hide shows."""
+    for name, param in model.named_parameters():
+        if name.endswith("bias"):
+            param.normal_(0, 0.5)
+        elif param.dim() == 1:
+            param.uniform_(0.5, 1.5)
+        else:
+            param.normal_(0, 0.2)
+    return model
+
+
 def save_tiny_checkpoints(root):
     """Llama: untied, GQA, llama3 rope scaling that acts at these lengths (original context 64).
     Qwen2: tied embeddings, QKV bias. Vocab 100 is padded by Megatron at every TP size."""
@@ -35,15 +49,7 @@ def save_tiny_checkpoints(root):
     torch.manual_seed(0)
     dirs = []
     for name, (model_class, config) in configs.items():
-        model = model_class(config)
-        with torch.no_grad():  # away from init values: norms != 1, biases != 0, larger weights
-            for param_name, param in model.named_parameters():
-                if param_name.endswith("bias"):
-                    param.normal_(0, 0.5)
-                elif param.dim() == 1:
-                    param.uniform_(0.5, 1.5)
-                else:
-                    param.normal_(0, 0.2)
+        model = away_from_init(model_class(config))
         model.save_pretrained(root / name)
         dirs.append(root / name)
     return dirs

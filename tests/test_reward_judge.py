@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -57,7 +58,7 @@ def test_a_judge_that_dies_mid_run_stops_the_run_with_a_clear_error(demo_model, 
         [sys.executable, "-m", "launch.cli", "yaml/demo_cpu.yaml", f"trainer.default_local_dir={run_dir}",
          "trainer.total_training_steps=30", "trainer.test_freq=-1", "trainer.val_before_train=false",
          "trainer.save_freq=-1", "reward_model.judge.enable=true", f"reward_model.judge.model.path={judge_dir}",
-         "reward_model.judge.model.dtype=float32", "reward_model.judge.prompt_template={prompt} {response}",
+         "reward_model.judge.model.dtype=float32", "reward_model.judge.prompt_template='{prompt} {response}'",
          "reward_model.judge.max_score=200", "reward_model.judge.max_tokens=4", "reward_model.judge.timeout_s=20",
          "reward_model.judge.max_retries=1"],
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -68,8 +69,7 @@ def test_a_judge_that_dies_mid_run_stops_the_run_with_a_clear_error(demo_model, 
             time.sleep(0.5)
         first = next(row for row in _rows(run_dir) if "reward/judge/mean" in row)
         assert first["reward/judge/failed_fraction"] == 0.0 and 0 <= first["reward/judge/mean"] <= 1, first
-        servers = [pid for pid, command in processes_with(marker).items()
-                   if "sglang.launch_server" in command and str(judge_dir) in command]
+        servers = [pid for pid in processes_with(marker) if _is_judge_server(pid, judge_dir)]
         assert servers, processes_with(marker)
         killed = time.monotonic()
         for pid in servers:
@@ -90,6 +90,14 @@ def test_a_judge_that_dies_mid_run_stops_the_run_with_a_clear_error(demo_model, 
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, left
+
+
+def _is_judge_server(pid: int, judge_dir) -> bool:
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return False
+    return "sglang.launch_server" in command and str(judge_dir) in command
 
 
 def _rows(run_dir):

@@ -10,7 +10,8 @@ from engine.config import ConfigError, load_config
 from engine.config.reward_model import RewardCombineConfig
 from engine.models.char_tokenizer import VOCAB_SIZE, build_char_tokenizer
 from engine.rewards.combine import RewardScores, combine_rewards
-from tests.distributed import run_torchrun
+from tests.distributed import read_metrics, run_main_job, run_torchrun
+from tests.test_models_parity import away_from_init
 
 # A reward model's own chat template, unlike the policy's (engine.models.char_tokenizer.CHAT_TEMPLATE).
 OTHER_TEMPLATE = (
@@ -35,14 +36,7 @@ def save_tiny_reward_models(root) -> list:
     torch.manual_seed(0)
     dirs = []
     for name, model in models.items():
-        with torch.no_grad():  # away from init values: norms != 1, biases != 0, a score head that spreads
-            for param_name, param in model.named_parameters():
-                if param_name.endswith("bias"):
-                    param.normal_(0, 0.5)
-                elif param.dim() == 1:
-                    param.uniform_(0.5, 1.5)
-                else:
-                    param.normal_(0, 0.2)
+        away_from_init(model)
         tokenizer = build_char_tokenizer()
         tokenizer.chat_template = OTHER_TEMPLATE
         model.save_pretrained(root / name)
@@ -116,3 +110,44 @@ def test_reward_model_config_errors(demo_model, tmp_path):
                          world_size=1)
     assert config.reward_model.model.tokenizer_path == str(rm_dir)
     assert config.reward_model.megatron.param_dtype == config.actor_rollout_ref.actor.megatron.param_dtype
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_ppo_on_the_reward_model_alone_raises_its_score_and_the_accuracy(demo_model, tmp_path):
+    """40 PPO iterations (2 ranks) whose reward is the tiny Bradley-Terry reward model's score only
+    (``rule_weight: 0``; the rule score is logged, not trained on), on the 64 questions the reward
+    model was fit on. The score is whitened per batch and the KL penalty is 0.3: at the demo's 0.05
+    the policy drifts to wrong answers the reward model overrates (measured: its score rose, the
+    accuracy fell from 0.23 to 0.17, i.e. reward hacking).
+
+    Measured with trainer.seed 1/2/3 (first 5 steps -> last 10): reward-model score -1.57/-1.13/-1.13
+    -> 0.48/0.41/0.74 (+2.05/+1.53/+1.86); sampled accuracy 0.199/0.257/0.244 -> 0.279/0.291/0.273
+    (+0.080/+0.034/+0.029, every seed's end above every seed's start); greedy accuracy on the 64
+    questions 0.297 -> 0.344/0.359/0.313 at step 40. Asked: +1.0 score, +0.02 sampled accuracy and a
+    greedy accuracy above the start's."""
+    from tests.reward_model_fit import fit_demo_reward_model
+
+    reward_model = fit_demo_reward_model(demo_model)
+    assert reward_model.pairwise_accuracy > 0.8, reward_model
+    run_dir = tmp_path / "run"
+    run_main_job("yaml/demo_cpu.yaml", [
+        f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=40", "trainer.save_freq=-1",
+        "trainer.test_freq=40", "trainer.export_hf_at_end=false", f"data.train_files={reward_model.train_file}",
+        f"data.val_files={reward_model.train_file}", "reward_model.enable=true",
+        f"reward_model.model.path={reward_model.path}", "reward_model.combine.rule_weight=0",
+        "reward_model.combine.normalize_model_score=true", "algorithm.kl_ctrl.kl_coef=0.3"])
+    everything = read_metrics(run_dir)
+    rows = [r for r in everything if "reward/model/mean" in r]
+    assert len(rows) == 40
+    model = [r["reward/model/mean"] for r in rows]
+    rule = [r["reward/rule/mean"] for r in rows]
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    print(f"reward model {mean(model[:5]):.3f} -> {mean(model[-10:]):.3f}, accuracy {mean(rule[:5]):.3f} -> "
+          f"{mean(rule[-10:]):.3f}")
+    assert mean(model[-10:]) - mean(model[:5]) > 1.0
+    assert mean(rule[-10:]) - mean(rule[:5]) > 0.02
+    greedy = [r["val/accuracy"] for r in everything if "val/accuracy" in r]
+    assert len(greedy) == 2 and greedy[1] > greedy[0], greedy
+    # Whitened scores are the reward: their batch mean is 0 whatever the raw scores are.
+    assert abs(rows[-1]["critic/score/mean"]) < 1e-5

@@ -90,6 +90,11 @@ class RewardCombineConfig:
     model_score_clip: float | None = None
     reward_clip: float | None = None
 
+    @property
+    def needs_rule_scores(self) -> bool:
+        """The rule score weighs in the reward or gates it (otherwise it is only logged)."""
+        return self.rule_weight != 0 or self.mode == "gated"
+
 
 @dataclass
 class JudgeModelConfig:

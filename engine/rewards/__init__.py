@@ -1,4 +1,6 @@
-"""Rule-based rewards: compute_score by data_source (GSM8K, reasoning-gym, user file), a crash-proof manager.
+"""Rewards: rule functions by data_source (GSM8K, reasoning-gym, user file) with a crash-proof manager;
+the reward model's inputs (``reward_model``), the LLM judge (``judge``) and how scores combine
+(``combine``), which import torch and are imported by name.
 
 Names are imported lazily (PEP 562) so a Ray reward worker, which needs only the scorers, does not
 pay for importing torch.

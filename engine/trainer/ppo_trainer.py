@@ -287,3 +287,30 @@ def validate(cfg: ExperimentConfig, parts: PPOComponents) -> dict[str, float]:
         if val.n > 1:
             metrics[f"val/pass_at_{val.n}"] = float(sum(max(group) >= 1.0 for group in per_prompt) / len(per_prompt))
     return metrics
+
+
+def save_checkpoint(parts: PPOComponents, step: int) -> None:
+    """Everything ``resume_from_checkpoint`` needs to continue exactly after ``step`` (collective)."""
+    extra = {"step": step, "sampler": parts.train_loader.state_dict(), "kl_controller": parts.kl_controller.state_dict(),
+             # the roles seed each update's mini-batch shuffle with their call count
+             "update_calls": {name: role.num_update_calls for name, role in _trained_roles(parts).items()}}
+    path = parts.checkpoints.save(step, parts.checkpoint_targets(), extra_state=extra)
+    say(f"[trident] checkpoint saved: {path}")
+
+
+def _trained_roles(parts: PPOComponents) -> dict:
+    return {"actor": parts.actor, **({"critic": parts.critic} if parts.critic is not None else {})}
+
+
+def resume_from_checkpoint(cfg: ExperimentConfig, parts: PPOComponents) -> int:
+    """Load the checkpoint ``trainer.resume_mode`` picks into ``parts``; the step it ends, or 0."""
+    path = parts.checkpoints.resolve_resume(cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
+    if path is None:
+        return 0
+    extra = parts.checkpoints.load(path, parts.checkpoint_targets())
+    parts.train_loader.load_state_dict(extra["sampler"])
+    parts.kl_controller.load_state_dict(extra["kl_controller"])
+    for name, role in _trained_roles(parts).items():
+        role.num_update_calls = extra["update_calls"][name]
+    say(f"[trident] resumed from {path} (step {extra['step']})")
+    return int(extra["step"])

@@ -24,6 +24,12 @@ def check_inputs(cfg: ExperimentConfig, *, data: bool = True) -> None:
     if cfg.algorithm.uses_critic and cfg.critic.model.path != model.path:
         check_model_folder("critic.model.path", cfg.critic.model.path)
     tokenizer = load_tokenizer(model.tokenizer_path, model.trust_remote_code)
+    reward = cfg.reward_model
+    if reward.enable:
+        check_model_folder("reward_model.model.path", reward.model.path)
+        load_tokenizer(reward.model.tokenizer_path, reward.model.trust_remote_code, key="reward_model.model.tokenizer_path")
+    if reward.judge.enable and reward.judge.url is None:
+        check_model_folder("reward_model.judge.model.path", reward.judge.model.path)
     if data:
         from engine.data import PromptDataset
 
@@ -55,28 +61,31 @@ def check_model_folder(key: str, path: str) -> None:
                          f"with transformers' save_pretrained(..., safe_serialization=True))")
 
 
-def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
-    """The policy's tokenizer, which must carry a chat template (prompts are chat messages)."""
+def load_tokenizer(path: str, trust_remote_code: bool, key: str = "actor_rollout_ref.model.tokenizer_path") -> Any:
+    """The policy's (or the reward model's) tokenizer, which must carry a chat template (prompts are
+    chat messages)."""
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as error:  # transformers raises OSError, ValueError, KeyError... for a bad folder
-        raise InputError(f"actor_rollout_ref.model.tokenizer_path={path}: cannot load a tokenizer: "
+        raise InputError(f"{key}={path}: cannot load a tokenizer: "
                          f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from None
     if not getattr(tokenizer, "chat_template", None):
-        raise InputError(f"actor_rollout_ref.model.tokenizer_path={path}: the tokenizer has no chat template; the "
+        raise InputError(f"{key}={path}: the tokenizer has no chat template; the "
                          "prompts are chat messages (use an instruct model's tokenizer)")
     return tokenizer
 
 
 def check_reward_function(cfg: ExperimentConfig, data_sources) -> None:
     """The reward function imports, takes (data_source, solution_str, ground_truth, extra_info) and
-    can score every data source of the training prompts."""
+    can score every data source of the training prompts (unless the rule score weighs nothing: then
+    it is only logged where it can be)."""
     from engine.rewards.manager import RewardManager
 
     try:
         manager = RewardManager(cfg.reward_model, start_pool=False)
-        manager.check_data_sources(data_sources)
+        if cfg.reward_model.combine.needs_rule_scores:
+            manager.check_data_sources(data_sources)
     except (OSError, ImportError, AttributeError, TypeError, ValueError) as error:
         raise InputError(str(error)) from None
