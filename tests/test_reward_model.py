@@ -117,9 +117,10 @@ def test_reward_model_config_errors(demo_model, tmp_path):
 def test_ppo_on_the_reward_model_alone_raises_its_score_and_the_accuracy(demo_model, tmp_path):
     """40 PPO iterations (2 ranks) whose reward is the tiny Bradley-Terry reward model's score only
     (``rule_weight: 0``; the rule score is logged, not trained on), on the 64 questions the reward
-    model was fit on. The score is whitened per batch and the KL penalty is 0.3: at the demo's 0.05
-    the policy drifts to wrong answers the reward model overrates (measured: its score rose, the
-    accuracy fell from 0.23 to 0.17, i.e. reward hacking).
+    model was fit on. The score is whitened per batch and the KL penalty is 0.3: at the demo's 0.05,
+    unwhitened, the policy drifts to wrong answers the reward model overrates (measured with an
+    earlier fit of this kind, 0.93 pairwise: score -1.76 -> 1.74, accuracy 0.22 -> 0.20 over steps
+    1-5 -> 36-40; reward hacking).
 
     Measured with trainer.seed 1/2/3 (first 5 steps -> last 10): reward-model score -1.57/-1.13/-1.13
     -> 0.48/0.41/0.74 (+2.05/+1.53/+1.86); sampled accuracy 0.199/0.257/0.244 -> 0.279/0.291/0.273
