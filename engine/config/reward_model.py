@@ -143,7 +143,8 @@ class JudgeConfig:
         max_concurrency: requests in flight per rank.
         timeout_s: the longest one request may take.
         max_retries: further tries of a failed request (connection error, timeout, HTTP error,
-            unparsable reply), with exponential back-off from 1 s.
+            malformed answer), with exponential back-off from 1 s; a reply without a score is not
+            tried again (a greedy judge would repeat it).
         fallback_score: the judge score of a response whose requests all failed; null = stop the
             run with an error naming the endpoint instead (every rank, no hang).
     """

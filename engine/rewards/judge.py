@@ -14,13 +14,13 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import requests
 import torch
-import torch.distributed as dist
 
 from engine.config.reward_model import JudgeConfig
+from engine.rewards.spmd import strided_on_all_ranks
 
 
 class JudgeError(RuntimeError):
@@ -70,17 +70,28 @@ class JudgeClient:
 
     def _served_model(self) -> str:
         """The first model the endpoint lists (what SGLang serves)."""
-        error: Exception | None = None
-        for attempt in range(self.config.max_retries + 1):
+        name, error = self._with_retries(lambda: requests.get(
+            f"{self.url}/v1/models", headers=self.headers, timeout=self.config.timeout_s), lambda body: body["data"][0]["id"])
+        if name is None:
+            raise JudgeError(f"{self._where()}: /v1/models did not answer: {error}")
+        return name
+
+    def _with_retries(self, send, read):
+        """``read(send().json())``, tried 1 + ``max_retries`` times with back-off from 1 s; returns
+        (value, "") or (None, why the last try failed)."""
+        config, error = self.config, ""
+        for attempt in range(config.max_retries + 1):
+            if attempt:
+                time.sleep(min(2.0 ** (attempt - 1), 30.0))
             try:
-                response = requests.get(f"{self.url}/v1/models", headers=self.headers, timeout=self.config.timeout_s)
+                response = send()
                 response.raise_for_status()
-                return response.json()["data"][0]["id"]
+                return read(response.json()), ""
+            except requests.Timeout:
+                error = f"no answer within reward_model.judge.timeout_s={config.timeout_s:g}s"
             except (requests.RequestException, KeyError, IndexError, ValueError) as caught:
-                error = caught
-                time.sleep(min(2.0 ** attempt, 30.0))
-        raise JudgeError(f"{self._where()}: /v1/models did not answer after {self.config.max_retries + 1} tries "
-                         f"(reward_model.judge.max_retries): {error}")
+                error = f"{type(caught).__name__}: {caught}"
+        return None, f"{config.max_retries + 1} tries failed (reward_model.judge.max_retries), last: {error}"
 
     def parse(self, reply: str) -> float | None:
         """The reply's score scaled to [0, 1]; None if it holds no number."""
@@ -100,34 +111,23 @@ class JudgeClient:
             "messages": [{"role": "user", "content": config.prompt_template.format(prompt=prompt, response=response)}],
             "max_tokens": config.max_tokens, "temperature": config.temperature,
         }
-        error = ""
-        for attempt in range(config.max_retries + 1):
-            if attempt:
-                time.sleep(min(2.0 ** (attempt - 1), 30.0))
-            try:
-                answer = requests.post(f"{self.url}/v1/chat/completions", json=payload, headers=self.headers,
-                                       timeout=config.timeout_s)
-                answer.raise_for_status()
-                reply = answer.json()["choices"][0]["message"]["content"] or ""
-            except requests.Timeout:
-                error = f"no answer within reward_model.judge.timeout_s={config.timeout_s:g}s"
-                continue
-            except (requests.RequestException, KeyError, IndexError, ValueError) as caught:
-                error = f"{type(caught).__name__}: {caught}"
-                continue
-            score = self.parse(reply)
-            if score is None:
-                return Verdict(None, f"reply {reply[:200]!r} has no score matching reward_model.judge.score_pattern")
-            return Verdict(score)
-        return Verdict(None, f"{config.max_retries + 1} tries failed, last: {error}")
+        reply, error = self._with_retries(
+            lambda: requests.post(f"{self.url}/v1/chat/completions", json=payload, headers=self.headers,
+                                  timeout=config.timeout_s),
+            lambda body: body["choices"][0]["message"]["content"] or "")
+        if reply is None:
+            return Verdict(None, error)
+        score = self.parse(reply)
+        if score is None:
+            return Verdict(None, f"reply {reply[:200]!r} has no score matching reward_model.judge.score_pattern")
+        return Verdict(score)
 
-    def judge(self, prompts: Sequence[str], responses: Sequence[str]) -> list[Verdict]:
+    def judge(self, pairs: Sequence[tuple[str, str]]) -> list[Verdict]:
         """Verdicts of (prompt, response) pairs, in order; up to ``max_concurrency`` in flight."""
-        if not responses:
+        if not pairs:
             return []
-        workers = min(self.config.max_concurrency, len(responses))
-        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-            return list(pool.map(self.judge_one, prompts, responses))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(self.config.max_concurrency, len(pairs))) as pool:
+            return list(pool.map(lambda pair: self.judge_one(*pair), pairs))
 
     def score_on_all_ranks(self, messages: Sequence[Sequence[dict[str, str]]], responses: Sequence[str]
                            ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -136,16 +136,7 @@ class JudgeClient:
 
         Raises ``JudgeError`` on every rank when a response has no verdict and no fallback is set."""
         prompts = [conversation_text(m) for m in messages]
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        mine = self.judge(prompts[rank::world], responses[rank::world])
-        verdicts: list[Any] = [None] * len(responses)
-        if world > 1:
-            shares: list[Any] = [None] * world
-            dist.all_gather_object(shares, mine)
-            for owner, share in enumerate(shares):
-                verdicts[owner::world] = share
-        else:
-            verdicts = mine
+        verdicts = strided_on_all_ranks(self.judge, list(zip(prompts, responses)))
         failed, fallback = [v for v in verdicts if v.score is None], self.config.fallback_score
         if failed and fallback is None:
             raise JudgeError(f"{self._where()} could not score {len(failed)} of {len(verdicts)} responses; first: "

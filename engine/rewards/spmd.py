@@ -11,13 +11,16 @@ by exactly one rank and the results are shared:
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch.distributed as dist
 
 from engine.config.reward_model import RewardConfig
 from engine.rewards.manager import RewardManager, RewardResult, batch_items
 from engine.rewards.scoring import ScoredSample
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 def reward_manager_for_this_rank(config: RewardConfig) -> RewardManager:
@@ -33,17 +36,25 @@ def score_on_all_ranks(manager: RewardManager, responses: Sequence[str], data_so
     Every rank must call this with the same batch; all get the same `RewardResult`.
     """
     items = batch_items(responses, data_sources, ground_truths, extra_infos)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return manager.collect(manager.score_items(items), data_sources)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if manager.config.num_workers > 0:
-        box: list[list[ScoredSample] | None] = [manager.score_items(items) if rank == 0 else None]
+    if manager.config.num_workers > 0 and dist.is_initialized() and dist.get_world_size() > 1:
+        box: list[list[ScoredSample] | None] = [manager.score_items(items) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
         scored = box[0]
     else:
-        shares: list[list[ScoredSample] | None] = [None] * world
-        dist.all_gather_object(shares, manager.score_items(items[rank::world]))
-        scored = [None] * len(items)
-        for owner, share in enumerate(shares):
-            scored[owner::world] = share
+        scored = strided_on_all_ranks(manager.score_items, items)
     return manager.collect(scored, data_sources)
+
+
+def strided_on_all_ranks(work: Callable[[list[T]], list[R]], items: Sequence[T]) -> list[R]:
+    """``work(items)`` for a batch every rank holds, each item done by one rank: rank r takes items
+    r, r + W, ... (strided, so long and short ones spread evenly) and the shares are all-gathered
+    back into input order on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return work(list(items))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shares: list[list[R] | None] = [None] * world
+    dist.all_gather_object(shares, work(list(items[rank::world])))
+    results: list = [None] * len(items)
+    for owner, share in enumerate(shares):
+        results[owner::world] = share
+    return results

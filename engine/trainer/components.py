@@ -161,12 +161,11 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
 def _rule_scores_available(cfg: ExperimentConfig, rewards: RewardManager, data_sources: set[str]) -> bool:
     """Rule scores are needed when they weigh in the reward or gate it; with ``rule_weight: 0``
     they are still computed for the metrics if every data source has a scorer."""
-    if cfg.reward_model.combine.needs_rule_scores:
-        rewards.check_data_sources(data_sources)
-        return True
     try:
         rewards.check_data_sources(data_sources)
     except ValueError as error:
+        if cfg.reward_model.combine.needs_rule_scores:
+            raise
         logger.info("reward_model.combine.rule_weight=0 and no rule scores are logged: %s", error)
         return False
     return True

@@ -201,8 +201,8 @@ def _score(parts: PPOComponents, batch: RolloutBatch, meta: dict, combine: Rewar
            training: bool = False) -> tuple[torch.Tensor, RewardScores, dict[str, float]]:
     """The reward of each response, ``[B]`` on every rank: its rule score (each response scored on
     one rank, ``score_on_all_ranks``), reward-model score and judge score, combined by
-    ``reward_model.combine``; the scores of each source; and the ``reward/*`` metrics. ``training`` counts failing rule calls
-    (a function that keeps failing stops the run)."""
+    ``reward_model.combine``; the scores of each source; and the ``reward/*`` metrics. ``training``
+    counts failing rule calls (a function that keeps failing stops the run)."""
     responses = decode_responses(parts.tokenizer, batch.input_ids[:, -batch.response_length:], batch.response_mask)
     sources, metrics = RewardScores(), {}
     if parts.scores_rules:
