@@ -314,7 +314,9 @@ def compute_value_loss(
     else:
         if cliprange_value < 0:
             raise ValueError(f"critic.cliprange_value must be >= 0, got {cliprange_value}")
-        clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+        # V_old + clip(V - V_old, -c, c), written as a clamp of V so that an unclipped value is V itself
+        # (bit for bit): a rounding tie must not count as "the clipped term wins" in vf_clipfrac.
+        clipped_values = values.clamp(old_values - cliprange_value, old_values + cliprange_value)
         clipped = (clipped_values - returns) ** 2
         losses = torch.maximum(unclipped, clipped)
         clip_active = clipped > unclipped
