@@ -48,7 +48,11 @@ def layer_spec(transformer_engine: bool):
 
     if transformer_engine:
         return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+    from engine.models.attention import FusedLocalAttention
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = FusedLocalAttention
+    return spec
 
 
 class ValueHead(torch.nn.Module):

@@ -1,0 +1,33 @@
+"""Core attention for megatron-core's local layer spec (the path without Transformer Engine)."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+
+class FusedLocalAttention(DotProductAttention):
+    """megatron-core's local core attention, computed by torch's ``scaled_dot_product_attention``.
+
+    The local spec (no Transformer Engine) materialises ``[b*np, sq, sk]`` scores with
+    ``baddbmm``, a masked softmax and a ``bmm``, each with its own backward; SDPA computes the
+    same softmax(Q K^T * scale + mask) V in one fused kernel. What SDPA cannot express the same
+    way (dropout in training, softmax offsets, query-key layer scaling, non-causal masks) runs
+    megatron's own code.
+    """
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if ((self.training and self.attention_dropout.p > 0) or self.config.softmax_type != "vanilla"
+                or self.config.apply_query_key_layer_scaling or attention_bias is not None
+                or packed_seq_params is not None or mask_type != AttnMaskType.causal):
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                   packed_seq_params)
+        # [s, b, heads, dim] -> [b, heads, s, dim]; megatron's mask is True where attention is blocked.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        context = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
+            is_causal=attention_mask is None, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+        return context.permute(2, 0, 1, 3).reshape(context.shape[2], context.shape[0], -1)
