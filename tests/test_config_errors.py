@@ -354,6 +354,14 @@ def test_out_of_range_values(override, fragment):
     assert fragment in error_of(DEMO, [override])
 
 
+def test_rollout_log_probs_as_old_leave_nothing_for_the_sglang_weight_check():
+    reuse, check = "actor_rollout_ref.actor.use_rollout_log_probs=true", "actor_rollout_ref.rollout.check_weight_sync=true"
+    message = error_of(DEMO, [reuse, check, "actor_rollout_ref.rollout.name=sglang"])
+    assert "actor_rollout_ref.actor.use_rollout_log_probs=True: must be false with" in message
+    assert "check_weight_sync" in message
+    load_config(DEMO, [reuse, check])  # the embedded engine checks weights by fingerprints instead
+
+
 def test_validation_only_needs_validation_prompts():
     message = error_of(DEMO, ["trainer.val_only=true", "data.val_files=[]"])
     assert message == "trainer.val_only=true needs data.val_files (the prompts to validate on)."

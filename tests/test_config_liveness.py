@@ -74,6 +74,7 @@ def scenarios(tmp_path, demo_model) -> list[str]:
             "trainer.total_training_steps=null", "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
             "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01",
             "actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.rollout.top_p=0.9",
+            "actor_rollout_ref.actor.use_rollout_log_probs=true",
             f"reward_model.custom_reward_function.path={reward_file}",
             "reward_model.custom_reward_function.name=sometimes_failing", "reward_model.max_failed_fraction=0.01",
             "reward_model.max_failed_steps=1000", "reward_model.enable=true", f"reward_model.model.path={reward_model}",

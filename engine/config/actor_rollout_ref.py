@@ -56,6 +56,12 @@ class ActorConfig:
         use_kl_loss: add ``kl_loss_coef * KL(pi || pi_ref)`` to the loss (GRPO style).
         kl_loss_coef: weight of that KL term.
         kl_loss_type: its estimator, one of ``registry.names("kl_estimator")``.
+        use_rollout_log_probs: take pi_old, the denominator of the PPO ratio, from the rollout
+            engine's log-probs of the sampled tokens instead of recomputing them with the actor: one
+            forward pass less per step (slime's ``--use-rollout-logprobs``). Exact when the engine
+            computes the trainer's distribution (same weights and precision: ``rollout/log_prob_abs_diff``
+            of a run without it is ~1e-6 for the fp32 CPU demo); with a bf16 engine the ratio then
+            also absorbs the engine/trainer mismatch. Off by default.
     """
 
     ppo_epochs: int = 1
@@ -73,6 +79,7 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+    use_rollout_log_probs: bool = False
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)

@@ -203,6 +203,10 @@ def _check_ranges(config: ExperimentConfig) -> None:
         _require(getattr(rollout, name) > 0, f"{ROLLOUT}.{name}", getattr(rollout, name), "> 0 seconds")
     _require(rollout.check_weight_sync_tolerance > 0, f"{ROLLOUT}.check_weight_sync_tolerance",
              rollout.check_weight_sync_tolerance, "> 0")
+    _require(not (arr.actor.use_rollout_log_probs and rollout.check_weight_sync and rollout.name != "torch"),
+             f"{ACTOR}.use_rollout_log_probs", True,
+             f"false with {ROLLOUT}.check_weight_sync (the check compares the engine's log-probs with the "
+             "actor's recomputed ones, which use_rollout_log_probs skips)")
     _check_sampling(ROLLOUT, rollout)
     _check_sampling(f"{ROLLOUT}.val_kwargs", rollout.val_kwargs)
     if algorithm.uses_critic:

@@ -100,8 +100,11 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
         # ReMax (Li et al. 2023): a greedy response per prompt, whose reward is the baseline.
         greedy = generate(parts, prompts, replace(sampling, temperature=0.0)) if algo.uses_greedy_baseline else None
         _release_engine_memory(parts, MEMORY_TAGS)
-    with phase("old_log_prob", metrics):
-        batch.old_log_probs = parts.actor.compute_old_log_probs(batch, temperature)
+    if cfg.actor_rollout_ref.actor.use_rollout_log_probs:  # pi_old = the sampler's own log-probs, no recompute
+        batch.old_log_probs, rollout_log_probs = rollout_log_probs, None
+    else:
+        with phase("old_log_prob", metrics):
+            batch.old_log_probs = parts.actor.compute_old_log_probs(batch, temperature)
     if rollout.check_weight_sync and rollout.name != "torch":  # the embedded engine was checked by fingerprints
         check_rollout_log_probs(rollout_log_probs, batch.old_log_probs, batch.response_mask,
                                 rollout.check_weight_sync_tolerance)
@@ -138,9 +141,10 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
         metrics["perf/mfu/actor"] = _actor_update_mfu(cfg, parts, batch, metrics["timing_s/update_actor"])
     with phase("update_weights", metrics):  # every step: released weights must be pushed again
         _resume_engine_memory(parts, (WEIGHTS,))
-        parts.weight_sync.sync(parts.engine)
+        sync = parts.weight_sync.sync(parts.engine)
         _resume_engine_memory(parts, (KV_CACHE,))
     metrics["timing_s/step"] = time.perf_counter() - start  # phase() names its entries timing_s/<phase>
+    metrics["perf/weight_sync_received_mb"] = sync.stats.bytes_received / 2**20  # this rank, in the engine's dtype
     metrics.update(_batch_metrics(batch, scores, rollout_log_probs, reward_metrics))
     tokens = int(batch.attention_mask.sum())
     metrics["perf/total_num_tokens"] = tokens
@@ -248,10 +252,10 @@ def _batch_metrics(batch: RolloutBatch, scores, rollout_log_probs, reward_metric
         "response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
         "critic/advantages/mean": masked_mean(batch.advantages, mask).item(),
         "critic/returns/mean": masked_mean(batch.returns, mask).item(),
-        # Train/inference mismatch: the rollout engine's log-probs vs the trainer's recomputation.
-        "rollout/log_prob_abs_diff": masked_mean((rollout_log_probs - batch.old_log_probs).abs(), mask).item(),
         **reward_metrics,
     }
+    if rollout_log_probs is not None:  # train/inference mismatch: the engine's log-probs vs the trainer's recomputation
+        metrics["rollout/log_prob_abs_diff"] = masked_mean((rollout_log_probs - batch.old_log_probs).abs(), mask).item()
     if batch.values is not None:
         from engine.algo.losses import explained_variance
 
