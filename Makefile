@@ -1,6 +1,6 @@
 # Trident: two entry points for a fresh machine (see README.md).
 #   make demo  -> create/update .venv, install, run the main CPU job
-#   make test  -> create/update .venv, install (incl. the CPU SGLang tier), run the test suite
+#   make test  -> create/update .venv, install (incl. the CPU SGLang tier and the TRL benchmark peer), run the test suite
 # Installs are idempotent: each tier leaves a stamp in .venv and is redone only
 # when its requirement files change.
 
@@ -9,14 +9,16 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP_BASE   := $(VENV)/.stamp-base
 STAMP_SGLANG := $(VENV)/.stamp-sglang
+STAMP_TRL    := $(VENV)/.stamp-trl
 PIP_LOG := $(VENV)/pip-install.log
 # pip talks a lot about the local mirror layout; keep its full log in .venv and show the tail on failure.
 PIP = $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: demo test venv sglang clean-venv
+.PHONY: demo test venv sglang trl clean-venv
 
 venv: $(STAMP_BASE)
 sglang: $(STAMP_SGLANG)
+trl: $(STAMP_TRL)
 
 $(STAMP_BASE): requirements/base.txt requirements/test.txt requirements/wandb.txt requirements/mlflow.txt setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +34,12 @@ $(STAMP_SGLANG): $(STAMP_BASE) requirements/sglang-cpu.txt launch/install/sglang
 	@bash launch/install/sglang_cpu.sh $(PY) >>$(PIP_LOG) 2>&1 || { tail -n 40 $(PIP_LOG); exit 1; }
 	@touch $@
 
+# TRL's PPO trainer, a peer of benchmarks.suite; kept out of the base install.
+$(STAMP_TRL): $(STAMP_BASE) requirements/trl.txt
+	@echo "[trident] installing the TRL benchmark peer into $(VENV) (log: $(PIP_LOG))"
+	@$(PIP) -r requirements/trl.txt >>$(PIP_LOG) 2>&1 || { tail -n 40 $(PIP_LOG); exit 1; }
+	@touch $@
+
 # The demo model (a tiny Llama SFT'd by us on reasoning-gym arithmetic) is built once (~1 min) and
 # cached in .cache/models/demo-arith; PPO then runs on 2 CPU ranks. Extra keys: make demo ARGS="k=v".
 demo: $(STAMP_BASE)
@@ -39,7 +47,7 @@ demo: $(STAMP_BASE)
 	$(VENV)/bin/trident yaml/demo_cpu.yaml $(ARGS)
 
 # pytest exits 5 when it collected no test; make treats any non-zero exit as failure.
-test: $(STAMP_BASE) $(STAMP_SGLANG)
+test: $(STAMP_BASE) $(STAMP_SGLANG) $(STAMP_TRL)
 	$(PY) -m pytest tests
 
 clean-venv:

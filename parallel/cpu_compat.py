@@ -17,8 +17,9 @@ without a GPU we run the real megatron-core code on CPU tensors by:
 4. allowing ``sequence_parallel`` with megatron's plain-torch norm (it refuses only because TE
    usually provides the norm; the local norm is sequence-parallel-correct once its weights'
    gradients are all-reduced, which megatron's DDP does for ``sequence_parallel`` params);
-5. 16-bit matrix products (``matmul``, ``@``, ``linear``, ``bmm``, ``baddbmm``) computed as fp32
-   products of the bf16/fp16 inputs, rounded back to the input dtype. That is what a GPU's tensor
+5. 16-bit matrix products (``matmul``, ``@``, ``linear``, ``bmm``, ``baddbmm``, and the fused
+   ``scaled_dot_product_attention``, whose CPU bf16 backward is ~3x slower than fp32's) computed as
+   fp32 products of the bf16/fp16 inputs, rounded back to the input dtype. That is what a GPU's tensor
    cores compute (16-bit operands, fp32 accumulation, a rounded output); CPUs without AVX-512 BF16
    have no such kernel and torch falls back to a reference loop 50-70x slower than fp32 (measured
    here: 145 ms vs 2.7 ms for a 512x128 @ 128x1024 bf16 product). Patched as functions, so that
@@ -162,7 +163,8 @@ def _via_fp32(original):
 
 
 def _fast_half_precision_products() -> None:
-    for owner, names in ((torch, ("matmul", "bmm", "baddbmm", "mm")), (torch.nn.functional, ("linear",)),
+    for owner, names in ((torch, ("matmul", "bmm", "baddbmm", "mm")),
+                         (torch.nn.functional, ("linear", "scaled_dot_product_attention")),
                          (torch.Tensor, ("matmul", "__matmul__", "bmm", "baddbmm", "mm"))):
         for name in names:
             _patch(owner, name, _via_fp32(getattr(owner, name)))
