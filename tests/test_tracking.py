@@ -3,6 +3,7 @@
 import io
 import json
 import math
+import mmap
 from dataclasses import dataclass
 
 import pytest
@@ -115,9 +116,12 @@ def test_phase_peak_memory_is_per_phase():
     """Each phase reports the peak of its own window (the process-wide peak is reset on entry)."""
     metrics = {}
     with phase("big", metrics):
-        block = bytearray(300 * 1024**2)  # touched: calloc'd pages are written below
-        block[::4096] = b"x" * len(block[::4096])
-        del block
+        # A fresh anonymous mapping, so the pages are new to the process whatever the heap already holds
+        # (a calloc may reuse resident heap memory late in a long test session); every page is written.
+        block = mmap.mmap(-1, 300 * 1024**2)
+        for offset in range(0, len(block), 4096):
+            block[offset] = 1
+        block.close()
     with phase("small", metrics):
         pass
     big, small = metrics["perf/max_rss_gb/big"], metrics["perf/max_rss_gb/small"]
