@@ -295,8 +295,6 @@ def test_torch_engine_has_no_tensor_parallelism():
 
 
 def test_features_not_built_yet_are_refused():
-    assert "mode='disaggregated': rollout on GPUs of its own is not built yet" in error_of(
-        QWEN_7B, ["actor_rollout_ref.rollout.mode=disaggregated"])
     assert "LoRA is not built yet" in error_of(DEMO, ["actor_rollout_ref.model.lora_rank=32"])
     assert "critic.model.lora_rank=8: LoRA is not built yet" in error_of(DEMO, ["critic.model.lora_rank=8"])
     assert "context parallelism is not built yet" in error_of(
@@ -308,7 +306,20 @@ def test_features_not_built_yet_are_refused():
 def test_removed_keys_say_why():
     message = error_of(DEMO, ["trainer.device=cpu"])
     assert "'trainer.device'" in message and "does not exist here" in message and "CUDA is available" in message
-    assert "disaggregated rollout" in error_of(DEMO, ["actor_rollout_ref.rollout.num_gpus=2"])
+
+
+def test_disaggregated_rollout_settings():
+    assert "rollout.num_gpus=2: must be 0 with actor_rollout_ref.rollout.mode=colocated" in error_of(
+        DEMO, ["actor_rollout_ref.rollout.num_gpus=2"])
+    disaggregated = ["actor_rollout_ref.rollout.mode=disaggregated"]
+    assert "rollout.name='torch': must be 'sglang'" in error_of(
+        DEMO, disaggregated + ["actor_rollout_ref.rollout.num_gpus=1"])
+    assert "rollout.num_gpus=0: must be a positive multiple of" in error_of(
+        DEMO, disaggregated + ["actor_rollout_ref.rollout.name=sglang"])
+    assert "rollout.num_gpus=3: must be a positive multiple of actor_rollout_ref.rollout.tensor_model_parallel_size=2" \
+        in error_of(QWEN_7B, disaggregated + ["actor_rollout_ref.rollout.num_gpus=3"])
+    assert "trainer.nnodes=2: must be 1 with actor_rollout_ref.rollout.mode=disaggregated" in error_of(
+        QWEN_7B, disaggregated + ["actor_rollout_ref.rollout.num_gpus=4", "trainer.nnodes=2"], world_size=16)
 
 
 # ----------------------------------------------------------------------------- choices

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 # Keys only the SGLang engine reads (checked by the test that starts one, with the SGLang tier).
 SGLANG_ONLY = tuple(f"actor_rollout_ref.rollout.{key}" for key in (
     "gpu_memory_utilization", "startup_timeout_s", "request_timeout_s", "weight_update_timeout_s",
-    "check_weight_sync_tolerance"))
+    "check_weight_sync_tolerance", "num_gpus"))
 
 
 def judge_keys() -> set[str]:
@@ -104,7 +104,9 @@ def test_sglang_keys_are_read(demo_model, tmp_path):
     run = [f"sglang|trainer.n_gpus_per_node=1;data.train_batch_size=8;actor_rollout_ref.actor.ppo_mini_batch_size=8;"
            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8;trainer.total_training_steps=1;"
            f"trainer.val_before_train=false;trainer.export_hf_at_end=false;trainer.default_local_dir={tmp_path}/run;"
-           f"actor_rollout_ref.rollout.name=sglang;actor_rollout_ref.rollout.check_weight_sync=true;"
+           # Disaggregated (the colocated SGLang path reads no key this one does not).
+           f"actor_rollout_ref.rollout.name=sglang;actor_rollout_ref.rollout.mode=disaggregated;"
+           f"actor_rollout_ref.rollout.num_gpus=1;actor_rollout_ref.rollout.check_weight_sync=true;"
            f"actor_rollout_ref.rollout.gpu_memory_utilization=0.05;trainer.prometheus_port={find_free_port()};"
            f"reward_model.judge.enable=true;reward_model.judge.model.path={demo_model.model_dir};"
            f"reward_model.judge.model.dtype=float32;reward_model.judge.fallback_score=0;"

@@ -354,3 +354,18 @@ def test_fingerprints_add_up_over_slices_and_catch_permutations():
     assert compare_fingerprints({"w": whole, "gone": whole}, {"w": whole}) == ["gone: missing on the engine side"]
     # rounding to the transfer dtype happens before the sums
     assert torch.equal(tensor_fingerprint(tensor, dtype=torch.bfloat16), tensor_fingerprint(bf16))
+
+
+@pytest.mark.parametrize("pp, tp, dp", [(2, 2, 2), (4, 1, 2), (1, 4, 1)])
+def test_stage_target_keeps_every_tensor_on_its_own_stage(pp, tp, dp):
+    """Disaggregated servers: each stage's data-parallel rank 0 assembles exactly its stage's tensors."""
+    plan = ReshardPlan(hybrid(pp, tp, dp, 1, 1), tiny_specs(pp, tp, groups=8, layers=max(4, pp)),
+                       ReshardTarget.STAGE, torch.float32)
+    simulate(plan)
+    training = plan.layout.training
+    for rank in range(plan.layout.world_size):
+        c, traffic = training.coordinates(rank), plan.traffic(rank)
+        stage_bytes = sum(math.prod(t.layout.shape) * 4 for t in plan.tensors if t.pipeline_rank == c.pipeline)
+        assert traffic.by_phase["pipeline"] == 0
+        assert traffic.output == (stage_bytes if c.data == 0 else 0)
+    assert sum(plan.traffic(training.rank(0, 0, 0, stage)).output for stage in range(pp)) == plan.model_bytes()

@@ -12,7 +12,7 @@ from omegaconf import II
 
 from engine.config.model import MegatronConfig, OptimConfig, PolicyModelConfig
 
-ROLLOUT_MODES = ("colocated",)  # "disaggregated" (engines on GPUs of their own) is not built yet
+ROLLOUT_MODES = ("colocated", "disaggregated")
 ROLLOUT_DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -143,7 +143,12 @@ class RolloutConfig(SamplingConfig):
         name: the engine: "torch" (HF generate inside the trainer process, for small CPU runs) or
             "sglang" (SGLang servers).
         mode: "colocated": the engine shares the training GPUs and takes the weights from them
-            (3D-HybridEngine); "disaggregated" is not built yet.
+            (3D-HybridEngine); "disaggregated": SGLang servers on ``num_gpus`` GPUs of their own
+            (after the trainer's on its node), started by rank 0; each pipeline stage's data-parallel
+            rank 0 broadcasts its stage's weights to them (``update_weights_from_distributed``).
+        num_gpus: disaggregated mode: GPUs given to the servers, ``num_gpus / tensor_model_parallel_size``
+            servers (on a machine without GPUs, server processes of that many TP ranks on the CPU);
+            0 in colocated mode.
         tensor_model_parallel_size: generation TP size of one engine replica.
         dtype: weight precision inside the engine.
         gpu_memory_utilization: fraction of GPU memory the engine may take (SGLang's
@@ -170,6 +175,7 @@ class RolloutConfig(SamplingConfig):
 
     name: str = "sglang"
     mode: str = "colocated"
+    num_gpus: int = 0
     tensor_model_parallel_size: int = 1
     dtype: str = "bfloat16"
     gpu_memory_utilization: float = 0.5

@@ -47,7 +47,6 @@ RENAMED_KEYS = {
 REMOVED_KEYS = {
     "trainer.device": "the device is chosen by the machine: each rank's GPU (LOCAL_RANK) when CUDA is "
                       "available, else the CPU",
-    "actor_rollout_ref.rollout.num_gpus": "disaggregated rollout (engines on GPUs of their own) is not built yet",
     "critic.model.tokenizer_path": "the critic scores the actor's token ids and has no tokenizer of its own",
     "critic.model.trust_remote_code": "the critic is built by megatron from config.json and runs no checkpoint code",
 }

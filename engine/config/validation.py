@@ -120,8 +120,6 @@ NOT_BUILT: dict[str, tuple[Any, str]] = {
     "critic.megatron.expert_model_parallel_size": (1, _EXPERT_PARALLEL),
     "reward_model.megatron.context_parallel_size": (1, _CONTEXT_PARALLEL),
     "reward_model.megatron.expert_model_parallel_size": (1, _EXPERT_PARALLEL),
-    f"{ROLLOUT}.mode": ("colocated", "rollout on GPUs of its own is not built yet; the engine runs colocated with "
-                                     f"training ({ROLLOUT}.mode=colocated)"),
 }
 
 
@@ -366,6 +364,12 @@ def _check_rollout(config: ExperimentConfig, training_world: int) -> None:
             f"{ROLLOUT}.name=torch generates inside each trainer process without tensor parallelism; set "
             f"{ROLLOUT}.tensor_model_parallel_size=1 (got {rollout_tp}) or use name=sglang."
         )
+    if rollout.mode == "disaggregated":
+        _check_disaggregated(config)
+        return
+    _require(rollout.num_gpus == 0, f"{ROLLOUT}.num_gpus", rollout.num_gpus,
+             f"0 with {ROLLOUT}.mode=colocated (the engines share the training GPUs; set mode=disaggregated to give "
+             f"them GPUs of their own)")
     tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
     if (tp * pp) % rollout_tp:
         raise ConfigError(
@@ -375,6 +379,20 @@ def _check_rollout(config: ExperimentConfig, training_world: int) -> None:
             f"raise {ACTOR}.megatron.tensor_model_parallel_size."
         )
     _check_replica_placement(config, training_world)
+
+
+def _check_disaggregated(config: ExperimentConfig) -> None:
+    """Servers on GPUs of their own: SGLang only, whole servers, on the trainer's (single) node."""
+    rollout = config.actor_rollout_ref.rollout
+    _require(rollout.name == "sglang", f"{ROLLOUT}.name", rollout.name,
+             f"'sglang' with {ROLLOUT}.mode=disaggregated (the embedded engine lives inside the trainer processes)")
+    tp = rollout.tensor_model_parallel_size
+    _require(rollout.num_gpus >= tp and rollout.num_gpus % tp == 0, f"{ROLLOUT}.num_gpus", rollout.num_gpus,
+             f"a positive multiple of {ROLLOUT}.tensor_model_parallel_size={tp} in mode=disaggregated "
+             f"(num_gpus / tensor_model_parallel_size servers)")
+    _require(config.trainer.nnodes == 1, "trainer.nnodes", config.trainer.nnodes,
+             f"1 with {ROLLOUT}.mode=disaggregated: the servers run on the trainer's node after its "
+             f"trainer.n_gpus_per_node GPUs; servers and trainers on separate nodes are not built yet")
 
 
 def _check_replica_placement(config: ExperimentConfig, training_world: int) -> None:

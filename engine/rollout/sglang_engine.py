@@ -67,13 +67,19 @@ class SGLangRolloutConfig:
     # Address the servers use to reach this process for the distributed weight-update group.
     weight_update_master_address: str = "127.0.0.1"
     max_concurrent_requests: int = 256
+    # Servers another process started and owns (disaggregated mode: the weight senders of pipeline
+    # stages > 0), as "host:port"; this engine then only pushes weights into the owner's session
+    # (the owner opens and closes it; the trainer orders the two with barriers).
+    attach_to: tuple[str, ...] = ()
     random_seed: int | None = None
     trust_remote_code: bool = False
     extra_server_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         tp = self.rollout.tensor_model_parallel_size
-        self.replica_gpus = tuple(tuple(gpus) for gpus in self.replica_gpus)
+        self.attach_to = tuple(self.attach_to)
+        # Attached servers are placed by their owner.
+        self.replica_gpus = ((),) * len(self.attach_to) if self.attach_to else tuple(tuple(g) for g in self.replica_gpus)
         if not self.replica_gpus:
             raise ValueError("SGLangRolloutConfig.replica_gpus must name at least one replica")
         for gpus in self.replica_gpus:
@@ -140,13 +146,16 @@ class SGLangRolloutEngine(RolloutEngine):
         self.weight_transport: WeightTransport = config.weight_transport
         self.tensor_shapes = checkpoint_tensor_shapes(config.model_path)
         run_dir = Path(config.run_dir)
+        addresses = [address.rsplit(":", 1) for address in config.attach_to] or [(config.host, None)] * len(config.replica_gpus)
+        self.owns_servers = not config.attach_to
         self.servers = [
-            SGLangServer(
+            (SGLangServer if self.owns_servers else SGLangServer.attach)(
                 SGLangServerConfig(
                     model_path=config.model_path,
                     log_path=run_dir / f"sglang_replica{i}.log",
                     rollout=config.rollout,
-                    host=config.host,
+                    host=host,
+                    port=None if port is None else int(port),
                     gpu_ids=gpus,
                     context_length=config.context_length,
                     max_total_tokens=config.max_total_tokens,
@@ -155,7 +164,7 @@ class SGLangRolloutEngine(RolloutEngine):
                     extra_args=tuple(config.extra_server_args),
                 )
             )
-            for i, gpus in enumerate(config.replica_gpus)
+            for i, ((host, port), gpus) in enumerate(zip(addresses, config.replica_gpus))
         ]
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=config.max_concurrent_requests, thread_name_prefix="sglang-generate")
         # Control requests (pause, weights, health) get their own threads: a pause must not queue
@@ -239,7 +248,8 @@ class SGLangRolloutEngine(RolloutEngine):
             raise WeightUpdateError("a weight-update session is already open; call end_weight_update() first")
         if self.weight_transport == "distributed" and self._weight_update_group is None:
             self._init_weight_update_group()
-        self._weight_request_on_all_servers("/begin_weight_update", {})
+        if self.owns_servers:
+            self._weight_request_on_all_servers("/begin_weight_update", {})
         self._in_weight_update = True
         self._session_transport = self.weight_transport
 
@@ -368,6 +378,8 @@ class SGLangRolloutEngine(RolloutEngine):
         if not self._in_weight_update:
             raise WeightUpdateError("end_weight_update() without begin_weight_update()")
         self._in_weight_update = False
+        if not self.owns_servers:
+            return
         self._weight_request_on_all_servers("/end_weight_update", {})
         # Drop radix-cache prefixes computed with the old weights. SGLang refuses while requests
         # are still running (pause mode "in_place"): those keep their old KV by design.

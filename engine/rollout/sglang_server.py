@@ -109,7 +109,19 @@ class SGLangServer:
         self.url = f"http://{config.host}:{self.port}"
         self.log_path = Path(config.log_path)
         self.process: subprocess.Popen | None = None
+        # A server another process started and supervises (``attach``): only HTTP requests from here.
+        self.attached = False
         self._local = threading.local()
+
+    @classmethod
+    def attach(cls, config: SGLangServerConfig) -> "SGLangServer":
+        """A handle on a running server (``config.host``, ``config.port``) started by another process;
+        ``start``/``stop`` do nothing and a dead server shows as a failed request."""
+        if config.port is None:
+            raise ValueError("SGLangServer.attach needs the server's port")
+        server = cls(config)
+        server.attached = True
+        return server
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         """The server command line and environment (plain SGLang on GPU, CPU additions otherwise)."""
@@ -150,6 +162,8 @@ class SGLangServer:
 
     def start(self) -> None:
         """Launch the process (returns at once; see ``wait_until_ready``)."""
+        if self.attached:
+            return
         if not Path(self.config.model_path, "config.json").is_file():
             raise FileNotFoundError(f"SGLang model_path {self.config.model_path} has no config.json")
         args, env = self.command()
@@ -191,6 +205,8 @@ class SGLangServer:
 
     def raise_if_crashed(self, grace_s: float = 5.0) -> None:
         """Raise ``SGLangServerCrashed`` if the process has exited (waiting up to ``grace_s`` for it)."""
+        if self.attached:
+            return  # its owner watches the process
         if self.process is None:
             raise RolloutError(f"SGLang server {self.url} was never started")
         try:

@@ -9,6 +9,9 @@ in the collectives and drop what they receive. ``ReshardTarget.FULL`` (the defau
 HF tensors to every generation rank, which is what SGLang's loader and the embedded HF engine take;
 ``SHARDED`` delivers exactly each rank's generation shard, for consumers that place shards
 themselves (``iter_weight_shards``); ``sync`` refuses it for engines that only take full tensors.
+``STAGE`` (disaggregated servers outside the training world): TP rank 0 of each pipeline stage's
+data-parallel rank 0 pushes its stage's full tensors (``sync.pushes_weights``), each over its own
+weight-update group, inside the one session that global rank 0 (the servers' owner) opens.
 """
 
 from __future__ import annotations
@@ -69,7 +72,10 @@ class WeightSynchronizer:
         self.model_chunks = list(model_chunks)
         architecture = unwrap(self.model_chunks[0]).hf_architecture
         training = TrainingLayout.from_parallel_layout(layout, dist.get_world_size())
-        self.layout = HybridLayout(training, GenerationLayout(rollout.tensor_model_parallel_size))
+        self.disaggregated = ReshardTarget(target) is ReshardTarget.STAGE
+        # Servers outside the world keep their own TP: no generation ranks to lay out here.
+        generation = GenerationLayout(1 if self.disaggregated else rollout.tensor_model_parallel_size)
+        self.layout = HybridLayout(training, generation)
         self.rank = dist.get_rank()
         stage = training.coordinates(self.rank).pipeline
         if stage != parallel_state.get_pipeline_model_parallel_rank():
@@ -83,6 +89,9 @@ class WeightSynchronizer:
             self.plan, self.groups, lambda spec: self._parameters[spec.megatron_name], device=device()
         )
         self.is_replica_leader = self.layout.generation_coordinates(self.rank).tensor == 0
+        # The ranks that hand weights to an engine (the others only take part in the collectives).
+        self.pushes_weights = (self.plan.sends_stage(stage, self.rank) and training.coordinates(self.rank).tensor == 0
+                               if self.disaggregated else self.is_replica_leader)
         self.traffic = self.plan.traffic(self.rank)
 
     def iter_weight_shards(self, fingerprints: bool = False) -> Iterator[list[WeightShard]]:
@@ -105,6 +114,8 @@ class WeightSynchronizer:
         push_seconds = 0.0
         if engine is not None:
             engine.begin_weight_update()
+        if self.disaggregated:
+            dist.barrier()  # rank 0 has opened the servers' session before any stage pushes into it
         try:
             for bucket in self.iter_weight_shards(fingerprints=self.rollout.check_weight_sync):
                 if engine is not None:
@@ -112,6 +123,8 @@ class WeightSynchronizer:
                     engine.push_weights([(shard.name, shard.tensor) for shard in bucket])
                     push_seconds += time.perf_counter() - start
                 del bucket
+            if self.disaggregated:
+                dist.barrier()  # every stage has pushed before rank 0 closes the session
         finally:
             if engine is not None:
                 engine.end_weight_update()

@@ -8,6 +8,7 @@ the replica's leader rank) and the weight synchroniser between them.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +45,9 @@ class PPOComponents:
     actor: MegatronActor
     reference: ReferencePolicy | None
     critic: MegatronCritic | None
-    engine: RolloutEngine | None  # only on generation-replica leaders
+    # Colocated: on generation-replica leaders. Disaggregated: the servers' owner on rank 0 (it also
+    # generates), and a weight-push handle on each pipeline stage's sender.
+    engine: RolloutEngine | None
     weight_sync: WeightSynchronizer
     rewards: RewardManager
     scores_rules: bool  # rule scores are computed (in the reward, or logged beside it)
@@ -143,8 +146,13 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
     if cfg.reward_model.enable:
         reward_model = _build_reward_model(cfg, tokenizer)
 
-    weight_sync = WeightSynchronizer(actor_role.model_chunks, actor.megatron.layout(), arr.rollout)
-    engine = _build_engine(cfg, run, weight_sync.layout) if weight_sync.is_replica_leader else None
+    disaggregated = arr.rollout.mode == "disaggregated"
+    weight_sync = WeightSynchronizer(actor_role.model_chunks, actor.megatron.layout(), arr.rollout,
+                                     target="stage" if disaggregated else "full")
+    if disaggregated:
+        engine = _start_disaggregated_servers(cfg, run, weight_sync.pushes_weights)
+    else:
+        engine = _build_engine(cfg, run, weight_sync.layout) if weight_sync.is_replica_leader else None
     judge, judge_server = _start_judge(cfg, run) if cfg.reward_model.judge.enable else (None, None)
     dist.barrier()
 
@@ -213,6 +221,44 @@ def _optimizer_steps(iterations: int, role, data) -> int:
     return iterations * role.ppo_epochs * (data.train_batch_size // role.ppo_mini_batch_size)
 
 
+def _start_disaggregated_servers(cfg: ExperimentConfig, run: RunDirectory, pushes_weights: bool) -> RolloutEngine | None:
+    """Rollout servers on devices of their own (``rollout.mode=disaggregated``), collective.
+
+    Rank 0 starts ``num_gpus / tensor_model_parallel_size`` servers on the node's GPUs after the
+    trainer's ``LOCAL_WORLD_SIZE`` ones (CPU processes without CUDA) and owns them; the weight
+    senders of the other pipeline stages attach to the same servers by address. Weights travel by
+    broadcast (``update_weights_from_distributed``), never through shared memory."""
+    from engine.rollout.factory import create_rollout_engine
+
+    rollout, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
+    servers = rollout.num_gpus // rollout.tensor_model_parallel_size
+    launch = dict(run_dir=str(run.rollout_dir), weight_transport="distributed", random_seed=cfg.trainer.seed,
+                  trust_remote_code=model.trust_remote_code)
+    engine, addresses = None, [None]
+    if dist.get_rank() == 0:
+        engine = create_rollout_engine(rollout, model.path, replica_gpus=_server_gpus(rollout, servers),
+                                       extra_server_args=_server_metrics_args(cfg), **launch)
+        _register_server_metrics(cfg, run, engine)
+        addresses = [[f"{server.config.host}:{server.port}" for server in engine.servers]]
+        say(f"[trident] {servers} rollout server(s) of their own: {', '.join(addresses[0])} (logs in {run.rollout_dir})")
+    dist.broadcast_object_list(addresses, src=0)
+    if pushes_weights and engine is None:
+        engine = create_rollout_engine(rollout, model.path, attach_to=tuple(addresses[0]), **launch)
+    return engine
+
+
+def _server_gpus(rollout, servers: int) -> tuple[tuple[int, ...], ...]:
+    """Node-local GPUs of each disaggregated server: those after the trainer's ranks on this node."""
+    if not torch.cuda.is_available():
+        return ((),) * servers
+    first = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    tp = rollout.tensor_model_parallel_size
+    if first + servers * tp > torch.cuda.device_count():
+        raise ValueError(f"actor_rollout_ref.rollout.num_gpus={rollout.num_gpus}: the node has "
+                         f"{torch.cuda.device_count()} GPUs and the trainer uses {first} of them")
+    return tuple(tuple(range(first + i * tp, first + (i + 1) * tp)) for i in range(servers))
+
+
 def _build_engine(cfg: ExperimentConfig, run: RunDirectory, layout: HybridLayout) -> RolloutEngine:
     """This generation replica's engine, on its leader rank; an SGLang server gets exactly the GPUs
     of the replica's ranks (``HybridLayout.replica_placements``)."""
@@ -225,15 +271,23 @@ def _build_engine(cfg: ExperimentConfig, run: RunDirectory, layout: HybridLayout
     if torch.cuda.is_available():
         replica = layout.generation_coordinates(dist.get_rank()).replica
         gpus = layout.replica_placements(cfg.trainer.n_gpus_per_node)[replica].local_devices
-    metrics = cfg.trainer.prometheus_port is not None
     engine = create_rollout_engine(rollout, model.path, run_dir=str(run.rollout_dir), replica_gpus=(gpus,),
                                    random_seed=cfg.trainer.seed + dist.get_rank(),
-                                   trust_remote_code=model.trust_remote_code,
-                                   extra_server_args=("--enable-metrics",) if metrics else ())
-    if metrics:  # SGLang's own /metrics (queue, throughput, KV-cache use) beside the trainer's, for Prometheus
-        for server in engine.servers:
-            write_prometheus_target(run.prometheus_dir / f"sglang_{server.port}.json", f"{server.config.host}:{server.port}",
-                                    {"job": "sglang", "project": cfg.trainer.project_name,
-                                     "experiment": cfg.trainer.experiment_name})
+                                   trust_remote_code=model.trust_remote_code, extra_server_args=_server_metrics_args(cfg))
+    _register_server_metrics(cfg, run, engine)
     return engine
+
+
+def _server_metrics_args(cfg: ExperimentConfig) -> tuple[str, ...]:
+    return ("--enable-metrics",) if cfg.trainer.prometheus_port is not None else ()
+
+
+def _register_server_metrics(cfg: ExperimentConfig, run: RunDirectory, engine) -> None:
+    """SGLang's own /metrics (queue, throughput, KV-cache use) beside the trainer's, for Prometheus."""
+    if cfg.trainer.prometheus_port is None:
+        return
+    for server in engine.servers:
+        write_prometheus_target(run.prometheus_dir / f"sglang_{server.port}.json", f"{server.config.host}:{server.port}",
+                                {"job": "sglang", "project": cfg.trainer.project_name,
+                                 "experiment": cfg.trainer.experiment_name})
 

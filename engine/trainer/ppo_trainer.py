@@ -164,12 +164,12 @@ def _actor_update_mfu(cfg: ExperimentConfig, parts: PPOComponents, batch: Rollou
 
 
 def _release_engine_memory(parts: PPOComponents, tags) -> None:
-    if parts.engine is not None:  # the engine lives on generation-replica leaders only
+    if parts.engine is not None and not parts.weight_sync.disaggregated:  # servers of their own keep theirs
         parts.engine.release_memory(tags)
 
 
 def _resume_engine_memory(parts: PPOComponents, tags) -> None:
-    if parts.engine is not None:
+    if parts.engine is not None and not parts.weight_sync.disaggregated:
         parts.engine.resume_memory(tags)
 
 
@@ -179,21 +179,29 @@ def generate(parts: PPOComponents, prompts, params: SamplingParams):
     Returns the ``RolloutBatch`` (prompts left-padded, responses right-padded to
     ``params.max_new_tokens`` = ``data.max_response_length``), the per-sequence metadata, and the
     rollout engine's own log-probs of the sampled tokens (to measure train/inference mismatch).
+    Disaggregated servers are driven by rank 0 alone, for the global batch.
     """
     sync = parts.weight_sync
-    mine = split_for_generation(prompts.raw_prompt_ids, sync.layout, dist.get_rank())
-    local = []
-    if parts.engine is not None:
-        local = [(s[0].token_ids, s[0].log_probs) for s in parts.engine.generate(mine, params)]
-    per_dp_rank = gather_generation_results(local, sync.groups)  # this DP rank's prompts, in order
     shard = {
-        "prompts": prompts.raw_prompt_ids, "responses": per_dp_rank, "uids": prompts.prompt_uids.tolist(),
+        "prompts": prompts.raw_prompt_ids, "uids": prompts.prompt_uids.tolist(),
         "data_sources": prompts.data_sources, "ground_truths": prompts.ground_truths,
         "extra_infos": prompts.extra_infos, "messages": prompts.messages,
     }
+    if not sync.disaggregated:
+        mine = split_for_generation(prompts.raw_prompt_ids, sync.layout, dist.get_rank())
+        local = []
+        if parts.engine is not None:
+            local = [(s[0].token_ids, s[0].log_probs) for s in parts.engine.generate(mine, params)]
+        shard["responses"] = gather_generation_results(local, sync.groups)  # this DP rank's prompts, in order
     shards: list = [None] * dist.get_world_size(parts.data_parallel_group)
     dist.all_gather_object(shards, shard, group=parts.data_parallel_group)
     merged = {key: [item for s in shards for item in s[key]] for key in shard}
+    if sync.disaggregated:
+        box = [None]
+        if dist.get_rank() == 0:
+            box = [[(s[0].token_ids, s[0].log_probs) for s in parts.engine.generate(merged["prompts"], params)]]
+        dist.broadcast_object_list(box, src=0)
+        merged["responses"] = box[0]
     batch, rollout_log_probs = _to_rollout_batch(merged["prompts"], merged["responses"], params.max_new_tokens,
                                                  parts.tokenizer.pad_token_id or 0)
     meta = {key: merged[key] for key in ("data_sources", "ground_truths", "extra_infos", "messages")}

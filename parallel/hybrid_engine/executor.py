@@ -188,6 +188,12 @@ class ReshardExecutor:
         for index in bucket:
             steps = self.steps[index]
             tensor = steps.tensor
+            if steps.need.length == 0:  # ReshardTarget.STAGE off the tensor's stage: nothing to do
+                if steps.local is not None and fingerprint_rows is not None:
+                    spec = self.plan.specs[tensor.spec_index]
+                    chunk = hf_chunks_of_shard(spec, self.local_shard(spec).detach())[tensor.hf_index]
+                    self._fingerprint_local(steps, chunk, fingerprint_rows)
+                continue
             staging = _Staging(steps)
             if steps.gather and tensor.dim != 0:
                 chunk_shape = tensor.slice_shape(steps.gather[0])

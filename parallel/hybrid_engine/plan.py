@@ -4,7 +4,8 @@ Computed once per (layout, parameters, target). For one HF tensor owned by pipel
 TP dimension d, and a rank at training coordinates (stage i, TP rank t):
 
 - holds: training slice t of T (the whole tensor when replicated) if i == o, else nothing;
-- needs: the whole tensor (``ReshardTarget.FULL``) or generation slice g of tg (``SHARDED``).
+- needs: the whole tensor (``ReshardTarget.FULL``) or generation slice g of tg (``SHARDED``);
+  with ``STAGE`` the whole tensor if i == o on data-parallel rank 0, else nothing (no phase 1).
 
 Two phases move exactly the missing slices (each needed slice is received once, none twice):
 
@@ -144,7 +145,7 @@ class ReshardPlan:
                 self.tensors.append(PlannedTensor(
                     len(self.tensors), spec_index, hf_index, hf, spec.tensor_parallel_dim, spec.pipeline_rank
                 ))
-        if self.target is ReshardTarget.FULL:
+        if self.target in (ReshardTarget.FULL, ReshardTarget.STAGE):
             self.tensor_gather_size = self.tp
         else:
             self.tensor_gather_size = self.tp // self.tg if self.tg <= self.tp else 1
@@ -175,10 +176,18 @@ class ReshardPlan:
     # ------------------------------------------------------------------ per rank
 
     def need(self, tensor: PlannedTensor, rank: int) -> SliceRange:
-        if tensor.dim is None or self.target is ReshardTarget.FULL:
+        if self.target is ReshardTarget.STAGE and not self.sends_stage(tensor.pipeline_rank, rank):
+            return SliceRange(0, 0)
+        if tensor.dim is None or self.target in (ReshardTarget.FULL, ReshardTarget.STAGE):
             return chunk_range(tensor.layout, tensor.dim, 0, 1)
         g = self.layout.generation_coordinates(rank).tensor
         return chunk_range(tensor.layout, tensor.dim, g, self.tg)
+
+    def sends_stage(self, stage: int, rank: int) -> bool:
+        """``STAGE``: whether ``rank`` assembles pipeline stage ``stage``'s tensors (data-parallel
+        rank 0 of that stage, all its TP ranks)."""
+        c = self.layout.training.coordinates(rank)
+        return c.pipeline == stage and c.data == 0 and c.context == 0
 
     def hold(self, tensor: PlannedTensor, rank: int) -> SliceRange | None:
         c = self.layout.training.coordinates(rank)
@@ -206,6 +215,8 @@ class ReshardPlan:
         need, local = self.need(tensor, rank), self.hold(tensor, rank)
         others = [training.rank(c.tensor, c.context, c.data, stage)
                   for stage in range(self.pp) if stage != tensor.pipeline_rank]
+        if self.target is ReshardTarget.STAGE:
+            others = []  # each stage's tensors stay on that stage
         broadcast = receive = None
         sends: tuple[tuple[int, SliceRange], ...] = ()
         if others:
@@ -219,7 +230,7 @@ class ReshardPlan:
         gather: tuple[SliceRange, ...] = ()
         position = 0
         size = self.tensor_gather_size
-        if tensor.dim is not None and size > 1:
+        if tensor.dim is not None and size > 1 and need.length > 0:
             first = c.tensor // size * size
             gather = tuple(chunk_range(tensor.layout, tensor.dim, first + i, self.tp) for i in range(size))
             position = c.tensor - first

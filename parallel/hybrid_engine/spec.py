@@ -39,10 +39,15 @@ class ReshardTarget(str, Enum):
     ``SHARDED``.
     ``SHARDED``: the zero-redundancy path: each generation rank receives exactly its generation TP
     shard of every tensor (slices in the training's padded coordinates, see ``WeightShard``).
+    ``STAGE``: for rollout servers outside the training world (disaggregated mode): complete HF
+    tensors of each pipeline stage's own parameters on that stage's ranks of data-parallel rank 0,
+    by the stage's TP all-gather only; no tensor crosses a pipeline stage, so no rank ever holds
+    more than its stage's share of the model. Every other rank receives nothing.
     """
 
     FULL = "full"
     SHARDED = "sharded"
+    STAGE = "stage"
 
 
 @dataclass(frozen=True)

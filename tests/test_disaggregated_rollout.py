@@ -1,0 +1,96 @@
+"""Disaggregated rollout on CPU: 2 trainer ranks and a real SGLang server outside their world.
+
+The server is started by rank 0 and gets the weights of each pipeline stage from that stage's
+sender over a gloo broadcast group (``update_weights_from_distributed``); the log-prob check
+compares what the server samples with the trainer's recomputation every step, so a weight that
+did not arrive (or arrived in the wrong place) fails the run.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from engine.sync import expected_log_prob_gap
+from parallel.state import find_free_port
+from tests.distributed import REPO_ROOT, read_metrics, run_main_job
+from tests.rollout_support import SGLANG_MARKS
+
+pytestmark = [pytest.mark.dist, *SGLANG_MARKS]
+
+DISAGGREGATED = ["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.mode=disaggregated",
+                 "actor_rollout_ref.rollout.num_gpus=1", "actor_rollout_ref.rollout.gpu_memory_utilization=0.05",
+                 "actor_rollout_ref.rollout.check_weight_sync=true", "trainer.test_freq=-1",
+                 "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.export_hf_at_end=false"]
+
+
+def test_pipeline_stages_push_their_own_weights_to_a_server_of_its_own(demo_model, tmp_path):
+    run_dir = tmp_path / "run"
+    run_main_job("yaml/demo_cpu.yaml", [
+        *DISAGGREGATED, "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+        "critic.megatron.pipeline_model_parallel_size=2", f"trainer.default_local_dir={run_dir}",
+        "trainer.total_training_steps=3"])
+    rows = read_metrics(run_dir)
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    for row in rows:  # the check passed (it raises otherwise); the gap is fp32 round-off
+        assert row["rollout/log_prob_abs_diff"] < expected_log_prob_gap("float32"), row
+    logs = list((run_dir / "rollout").glob("sglang_replica*.log"))
+    assert len(logs) == 1, logs  # one server, started by rank 0; the stage-1 sender only attached
+    log = logs[0].read_text()
+    # Each stage's sender has its own broadcast group and pushes one bucket (the demo model is
+    # far below the bucket size) at the start and after every step.
+    groups = set(re.findall(r"group_name=(trident_weight_update_\w+)", log))
+    assert len(groups) == 2, groups
+    assert log.count('"POST /update_weights_from_distributed HTTP/1.1" 200') == 2 * (1 + len(rows))
+
+
+def server_pids(log_text: str) -> list[int]:
+    """Pids of the SGLang launcher whose command line the log's first line records."""
+    port = log_text.split("--port ", 1)[1].split()[0]
+    pids = []
+    for folder in os.scandir("/proc"):
+        if folder.name.isdigit():
+            try:
+                command = open(f"/proc/{folder.name}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "sglang.launch_server" in command and f"--port {port} " in command:
+                pids.append(int(folder.name))
+    return pids
+
+
+def test_a_server_killed_mid_run_stops_the_job_with_a_clear_error(demo_model, tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+         f"--master_port={find_free_port()}", "-m", "launch.main", "yaml/demo_cpu.yaml", *DISAGGREGATED,
+         f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=50",
+         "actor_rollout_ref.rollout.request_timeout_s=60", "actor_rollout_ref.rollout.weight_update_timeout_s=60"],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (run_dir / "metrics.jsonl").exists() or not read_metrics(run_dir):
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0][-4000:]
+            time.sleep(1)
+        log = next((run_dir / "rollout").glob("sglang_replica*.log"))
+        pids = server_pids(log.read_text())
+        assert pids, log.read_text()[:2000]
+        killed = time.monotonic()
+        for pid in pids:
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        output = job.communicate(timeout=300)[0]
+        elapsed = time.monotonic() - killed
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0
+    # The owner sees its server's process exit; the error names the server and its log.
+    assert "[trident] error (rank 0): SGLang server" in output and f"exited with code -9; log {log}" in output, \
+        output[-6000:]
+    assert elapsed < 60, elapsed  # within the request timeout (measured: ~3 s)
