@@ -157,7 +157,7 @@ def run(steps: int, cpu: bool, work: Path) -> dict[str, Any]:
         batches = iter(parts.train_loader)
         for step in range(1, steps):
             report["steps"].append(_step(cfg, parts, next(batches), step))
-        save_checkpoint(parts, steps - 1)
+        save_checkpoint(parts, steps - 1, parts.train_loader.state_dict())
         saved = actor_fingerprint(parts)
         parts.engine.shutdown()
         del parts, batches

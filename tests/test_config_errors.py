@@ -388,3 +388,13 @@ def test_cli_prints_the_message_and_exits_2_without_traceback():
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and result.stdout == ""
     assert result.stderr.startswith("config error: Unknown config key 'actor_rollout_ref.actor.ppo_mini_batchsize'")
+
+
+def test_max_staleness_needs_servers_that_generate_while_training():
+    assert "trainer.max_staleness=2: must be 0 (on-policy) or 1" in error_of(DEMO, ["trainer.max_staleness=2"])
+    assert "generation cannot overlap training" in error_of(DEMO, ["trainer.max_staleness=1"])
+    off_policy = ["trainer.max_staleness=1", "actor_rollout_ref.rollout.mode=disaggregated",
+                  "actor_rollout_ref.rollout.num_gpus=2"]
+    assert "check_weight_sync=True: must be false with trainer.max_staleness=1" in error_of(
+        QWEN_7B, [*off_policy, "actor_rollout_ref.rollout.check_weight_sync=true"])
+    assert "adv_estimator=remax" in error_of(QWEN_7B, [*off_policy, "algorithm.adv_estimator=remax"])

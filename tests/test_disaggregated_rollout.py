@@ -23,22 +23,37 @@ from tests.rollout_support import SGLANG_MARKS
 
 pytestmark = [pytest.mark.dist, *SGLANG_MARKS]
 
-DISAGGREGATED = ["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.mode=disaggregated",
-                 "actor_rollout_ref.rollout.num_gpus=1", "actor_rollout_ref.rollout.gpu_memory_utilization=0.05",
-                 "actor_rollout_ref.rollout.check_weight_sync=true", "trainer.test_freq=-1",
-                 "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.export_hf_at_end=false"]
+SGLANG = ["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.gpu_memory_utilization=0.05",
+          "actor_rollout_ref.rollout.check_weight_sync=true", "trainer.test_freq=-1", "trainer.val_before_train=false",
+          "trainer.save_freq=-1", "trainer.export_hf_at_end=false"]
+DISAGGREGATED = [*SGLANG, "actor_rollout_ref.rollout.mode=disaggregated", "actor_rollout_ref.rollout.num_gpus=1"]
 
 
 def test_pipeline_stages_push_their_own_weights_to_a_server_of_its_own(demo_model, tmp_path):
-    run_dir = tmp_path / "run"
-    run_main_job("yaml/demo_cpu.yaml", [
-        *DISAGGREGATED, "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
-        "critic.megatron.pipeline_model_parallel_size=2", f"trainer.default_local_dir={run_dir}",
-        "trainer.total_training_steps=3"])
-    rows = read_metrics(run_dir)
+    # Greedy, so the colocated run of the same seeds generates the same responses.
+    common = ["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+              "critic.megatron.pipeline_model_parallel_size=2", "actor_rollout_ref.rollout.do_sample=false",
+              "trainer.total_training_steps=3"]
+    run_dir, colocated_dir = tmp_path / "run", tmp_path / "colocated"
+    run_main_job("yaml/demo_cpu.yaml", [*DISAGGREGATED, *common, f"trainer.default_local_dir={run_dir}"])
+    # One colocated rank: the same batches and updates (PP2 and PP1 differ only by fp32 round-off),
+    # and a single server on the two CPU cores.
+    run_main_job("yaml/demo_cpu.yaml", [*SGLANG, *common[2:], "trainer.n_gpus_per_node=1",
+                                        f"trainer.default_local_dir={colocated_dir}"], nproc=1)
+    rows, colocated = read_metrics(run_dir), read_metrics(colocated_dir)
     assert [row["step"] for row in rows] == [1, 2, 3]
-    for row in rows:  # the check passed (it raises otherwise); the gap is fp32 round-off
+    for row, same in zip(rows, colocated):
+        # the check passed (it raises otherwise); the gap is fp32 round-off
         assert row["rollout/log_prob_abs_diff"] < expected_log_prob_gap("float32"), row
+        # on-policy (max_staleness=0), servers of their own train exactly like colocated engines
+        assert row["rollout/policy_version"] == row["step"] and row["rollout/staleness"] == 0
+        assert row["response_length/mean"] == same["response_length/mean"]
+        assert row["critic/score/mean"] == same["critic/score/mean"]
+        # the same samples give the same losses up to PP2-vs-PP1 round-off, which the updates compound
+        # (measured: 2e-7 relative at step 1, 6e-4 at step 3)
+        rel, tolerance = (1e-5, 1e-8) if row["step"] == 1 else (2e-2, 1e-5)
+        for key in ("actor/pg_loss", "actor/ppo_kl", "critic/vf_loss", "actor/grad_norm"):
+            assert row[key] == pytest.approx(same[key], rel=rel, abs=tolerance), (row["step"], key)
     logs = list((run_dir / "rollout").glob("sglang_replica*.log"))
     assert len(logs) == 1, logs  # one server, started by rank 0; the stage-1 sender only attached
     log = logs[0].read_text()
@@ -94,3 +109,17 @@ def test_a_server_killed_mid_run_stops_the_job_with_a_clear_error(demo_model, tm
     assert "[trident] error (rank 0): SGLang server" in output and f"exited with code -9; log {log}" in output, \
         output[-6000:]
     assert elapsed < 60, elapsed  # within the request timeout (measured: ~3 s)
+
+
+def test_one_step_off_policy_trains_on_the_previous_weights_samples(demo_model, tmp_path):
+    run_dir = tmp_path / "run"
+    # No weight check: the samples come from the weights before the last push (refused with it).
+    run_main_job("yaml/demo_cpu.yaml", [
+        *(o for o in DISAGGREGATED if "check_weight_sync" not in o), "trainer.max_staleness=1",
+        f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=4"])
+    rows = read_metrics(run_dir)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    # Step 1 has nothing generated ahead; from then on, step k trains on step k - 1's weights' samples.
+    assert [row["rollout/policy_version"] for row in rows] == [1, 1, 2, 3]
+    assert [row["rollout/staleness"] for row in rows] == [0, 1, 1, 1]
+    assert all(row["timing_s/rollout_generation"] > 0 for row in rows)

@@ -63,6 +63,11 @@ class TrainerConfig:
             servers' seeds (+ rank), the mini-batch shuffles.
         collective_timeout_minutes: how long a rank waits in a collective (NCCL/gloo) before the
             job fails; covers the slowest step of a 70B run (a checkpoint, a long rollout).
+        max_staleness: 0 = on-policy (each step trains on samples of its own starting weights);
+            1 = one step off-policy: the rollout servers (``rollout.mode=disaggregated``) generate
+            the next batch while the trainer trains on this one, so step k trains on samples of
+            step k - 1's weights (``rollout/policy_version``, ``rollout/staleness``). A batch still
+            generating at a checkpoint is regenerated after a resume.
     """
 
     project_name: str = "trident"
@@ -83,5 +88,6 @@ class TrainerConfig:
     export_hf_at_end: bool = True
     seed: int = 1
     collective_timeout_minutes: int = 60
+    max_staleness: int = 0
     prometheus_port: int | None = None
     profile: ProfileConfig = field(default_factory=ProfileConfig)

@@ -364,6 +364,7 @@ def _check_rollout(config: ExperimentConfig, training_world: int) -> None:
             f"{ROLLOUT}.name=torch generates inside each trainer process without tensor parallelism; set "
             f"{ROLLOUT}.tensor_model_parallel_size=1 (got {rollout_tp}) or use name=sglang."
         )
+    _check_staleness(config)
     if rollout.mode == "disaggregated":
         _check_disaggregated(config)
         return
@@ -379,6 +380,23 @@ def _check_rollout(config: ExperimentConfig, training_world: int) -> None:
             f"raise {ACTOR}.megatron.tensor_model_parallel_size."
         )
     _check_replica_placement(config, training_world)
+
+
+def _check_staleness(config: ExperimentConfig) -> None:
+    """One step off-policy needs servers that generate while the trainer trains."""
+    staleness, rollout = config.trainer.max_staleness, config.actor_rollout_ref.rollout
+    _require(staleness in (0, 1), "trainer.max_staleness", staleness,
+             "0 (on-policy) or 1 (one step off-policy); deeper queues are not built yet")
+    if staleness == 0:
+        return
+    _require(rollout.mode == "disaggregated", "trainer.max_staleness", staleness,
+             f"0 with {ROLLOUT}.mode={rollout.mode}: colocated engines share the trainer's GPUs, so generation "
+             f"cannot overlap training (set {ROLLOUT}.mode=disaggregated)")
+    _require(not config.algorithm.uses_greedy_baseline, "trainer.max_staleness", staleness,
+             "0 with algorithm.adv_estimator=remax (its greedy baseline is not generated ahead)")
+    _require(not rollout.check_weight_sync, f"{ROLLOUT}.check_weight_sync", True,
+             "false with trainer.max_staleness=1: the rollout's log-probs come from the previous weights, so they "
+             "cannot confirm the last push (check the sync with max_staleness=0)")
 
 
 def _check_disaggregated(config: ExperimentConfig) -> None:

@@ -71,6 +71,8 @@ class SGLangRolloutConfig:
     # stages > 0), as "host:port"; this engine then only pushes weights into the owner's session
     # (the owner opens and closes it; the trainer orders the two with barriers).
     attach_to: tuple[str, ...] = ()
+    # Index of this engine's first server among the job's (its log is sglang_replica{index}.log).
+    first_replica_index: int = 0
     random_seed: int | None = None
     trust_remote_code: bool = False
     extra_server_args: tuple[str, ...] = ()
@@ -152,7 +154,7 @@ class SGLangRolloutEngine(RolloutEngine):
             (SGLangServer if self.owns_servers else SGLangServer.attach)(
                 SGLangServerConfig(
                     model_path=config.model_path,
-                    log_path=run_dir / f"sglang_replica{i}.log",
+                    log_path=run_dir / f"sglang_replica{config.first_replica_index + i}.log",
                     rollout=config.rollout,
                     host=host,
                     port=None if port is None else int(port),

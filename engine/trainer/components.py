@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from engine.sync import WeightSynchronizer
 from engine.trainer.checkpoint import CheckpointManager, CheckpointTarget
 from engine.trainer.console import say
 from engine.trainer.loggers import write_prometheus_target
+from engine.trainer.rollout import RolloutAhead
 from engine.trainer.run_dir import RunDirectory
 from parallel.hybrid_engine import HybridLayout
 
@@ -58,6 +59,8 @@ class PPOComponents:
     checkpoints: CheckpointManager
     total_training_steps: int
     data_parallel_group: Any
+    # The batch the servers generate while the trainer trains (trainer.max_staleness=1).
+    rollout_ahead: RolloutAhead = field(default_factory=RolloutAhead)
 
     def checkpoint_targets(self) -> dict[str, CheckpointTarget]:
         targets = {"actor": CheckpointTarget(self.actor.ddp_chunks, self.actor.optimizer, self.actor.lr_scheduler)}
@@ -268,10 +271,11 @@ def _build_engine(cfg: ExperimentConfig, run: RunDirectory, layout: HybridLayout
     if rollout.name == "torch":
         return create_rollout_engine(rollout, model.path, trust_remote_code=model.trust_remote_code)
     gpus: tuple[int, ...] = ()
+    replica = layout.generation_coordinates(dist.get_rank()).replica
     if torch.cuda.is_available():
-        replica = layout.generation_coordinates(dist.get_rank()).replica
         gpus = layout.replica_placements(cfg.trainer.n_gpus_per_node)[replica].local_devices
     engine = create_rollout_engine(rollout, model.path, run_dir=str(run.rollout_dir), replica_gpus=(gpus,),
+                                   first_replica_index=replica,
                                    random_seed=cfg.trainer.seed + dist.get_rank(),
                                    trust_remote_code=model.trust_remote_code, extra_server_args=_server_metrics_args(cfg))
     _register_server_metrics(cfg, run, engine)

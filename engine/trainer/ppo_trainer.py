@@ -31,9 +31,9 @@ from engine.trainer.components import PPOComponents, build_components
 from engine.trainer.flops import DecoderShape, model_flops_utilization, peak_flops_per_device, training_flops
 from engine.trainer.console import say
 from engine.trainer.profiling import StepProfiler
+from engine.trainer.rollout import generate
 from engine.trainer.run_dir import RunDirectory
 from engine.trainer.tracking import Tracker, phase, step_peak_memory
-from parallel.hybrid_engine import gather_generation_results, split_for_generation
 
 logger = logging.getLogger(__name__)
 
@@ -56,20 +56,19 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
     if parts.val_loader is not None and (trainer.val_only or (trainer.val_before_train and step == 0)):
         metrics = validate(cfg, parts)
         tracker.log(metrics, step)
+    batches = training_batches(parts.train_loader, ahead=trainer.max_staleness > 0)
     while step < parts.total_training_steps and not trainer.val_only:
-        for prompts in parts.train_loader:
-            step += 1
-            with profiler.step(step):
-                metrics = ppo_iteration(cfg, parts, prompts, step)
-            if parts.val_loader is not None and trainer.test_freq > 0 and step % trainer.test_freq == 0:
-                metrics.update(validate(cfg, parts))
-            tracker.log(metrics, step)
-            last = step == parts.total_training_steps
-            # save_freq -1: only at the end of the run.
-            if last or (trainer.save_freq > 0 and step % trainer.save_freq == 0):
-                save_checkpoint(parts, step)
-            if last:
-                break
+        prompts, upcoming, sampler_state = next(batches)
+        step += 1
+        last = step == parts.total_training_steps
+        with profiler.step(step):
+            metrics = ppo_iteration(cfg, parts, prompts, step, upcoming=None if last else upcoming)
+        if parts.val_loader is not None and trainer.test_freq > 0 and step % trainer.test_freq == 0:
+            metrics.update(validate(cfg, parts))
+        tracker.log(metrics, step)
+        # save_freq -1: only at the end of the run.
+        if last or (trainer.save_freq > 0 and step % trainer.save_freq == 0):
+            save_checkpoint(parts, step, sampler_state)
     tracker.close()
     if parts.engine is not None:
         parts.engine.shutdown()
@@ -83,12 +82,32 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
     return metrics
 
 
-def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: int) -> dict[str, float]:
-    """One PPO iteration on this rank's share of the global prompt batch.
+def training_batches(loader, ahead: bool):
+    """Endless training batches, epoch after epoch: ``(prompts, upcoming, sampler_state)`` with
+    ``upcoming`` the batch after it when generating one step ahead (else None) and
+    ``sampler_state`` the loader's position right after ``prompts`` was drawn, which a checkpoint
+    saves: a batch still generating ahead is drawn again and regenerated after a resume."""
+    def drawn():
+        while True:
+            for prompts in loader:
+                yield prompts, loader.state_dict()
+
+    stream = drawn()
+    current = next(stream)
+    while True:
+        upcoming = next(stream) if ahead else None
+        yield current[0], upcoming[0] if upcoming else None, current[1]
+        current = upcoming or next(stream)
+
+
+def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: int, upcoming=None) -> dict[str, float]:
+    """One PPO iteration on this rank's share of the global prompt batch; ``upcoming`` (one step
+    off-policy): the next batch, which the servers generate while this one trains.
 
     Memory choreography (colocated rollout): the engine holds its weights and KV cache only to
     generate; it releases both before the training phases and takes them back for the weight
     sync in SGLang's order (weights, push, KV cache), so rollout and training never peak together.
+    Servers of their own keep theirs; they only have to be idle for the push.
     """
     metrics: dict[str, float] = {}
     start = time.perf_counter()
@@ -96,10 +115,14 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
     sampling = rollout.sampling_params(cfg.data.max_response_length)
     temperature = sampling.log_prob_temperature  # the trainer's log-probs are the engine's distribution
     with phase("gen", metrics):
-        batch, meta, rollout_log_probs = generate(parts, prompts.repeat_interleave(rollout.n), sampling)
+        generated = parts.rollout_ahead.take(parts, prompts.repeat_interleave(rollout.n), sampling, policy_version=step)
+        if upcoming is not None:
+            parts.rollout_ahead.start(parts, upcoming.repeat_interleave(rollout.n), sampling, policy_version=step)
+        batch, meta, rollout_log_probs = generated.batch, generated.meta, generated.log_probs
         # ReMax (Li et al. 2023): a greedy response per prompt, whose reward is the baseline.
         greedy = generate(parts, prompts, replace(sampling, temperature=0.0)) if algo.uses_greedy_baseline else None
         _release_engine_memory(parts, MEMORY_TAGS)
+    metrics.update(_staleness_metrics(generated, step))
     if cfg.actor_rollout_ref.actor.use_rollout_log_probs:  # pi_old = the sampler's own log-probs, no recompute
         batch.old_log_probs, rollout_log_probs = rollout_log_probs, None
     else:
@@ -119,7 +142,7 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
         rewards = token_level_scores(scores, batch.response_mask)
         baseline = None
         if greedy is not None:
-            baseline, _, _ = _score(parts, *greedy[:2], cfg.reward_model.combine)
+            baseline, _, _ = _score(parts, greedy.batch, greedy.meta, cfg.reward_model.combine)
             metrics["critic/greedy_score/mean"] = baseline.mean().item()
             baseline = baseline.repeat_interleave(rollout.n)
     with phase("adv", metrics):
@@ -140,6 +163,7 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
             metrics.update(parts.actor.update_policy(batch, temperature))
         metrics["perf/mfu/actor"] = _actor_update_mfu(cfg, parts, batch, metrics["timing_s/update_actor"])
     with phase("update_weights", metrics):  # every step: released weights must be pushed again
+        metrics["timing_s/wait_rollout_ahead"] = parts.rollout_ahead.wait_idle()  # the servers must be idle
         _resume_engine_memory(parts, (WEIGHTS,))
         sync = parts.weight_sync.sync(parts.engine)
         _resume_engine_memory(parts, (KV_CACHE,))
@@ -152,6 +176,14 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
     metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / dist.get_world_size()
     metrics.update(step_peak_memory(metrics))
     return metrics
+
+
+def _staleness_metrics(generated, step: int) -> dict[str, float]:
+    """Which weights sampled the batch: ``rollout/policy_version`` (the step that trains from them)
+    and how many steps behind the trainer's they are; ``timing_s/rollout_generation`` is how long
+    the engine generated it (overlapped with the previous step's training when generated ahead)."""
+    return {"rollout/policy_version": generated.policy_version, "rollout/staleness": step - generated.policy_version,
+            "timing_s/rollout_generation": generated.generation_s}
 
 
 def _actor_update_mfu(cfg: ExperimentConfig, parts: PPOComponents, batch: RolloutBatch, seconds: float) -> float | None:
@@ -171,42 +203,6 @@ def _release_engine_memory(parts: PPOComponents, tags) -> None:
 def _resume_engine_memory(parts: PPOComponents, tags) -> None:
     if parts.engine is not None and not parts.weight_sync.disaggregated:
         parts.engine.resume_memory(tags)
-
-
-def generate(parts: PPOComponents, prompts, params: SamplingParams):
-    """Rollout through the HybridEngine's generation replicas; every rank gets the global batch.
-
-    Returns the ``RolloutBatch`` (prompts left-padded, responses right-padded to
-    ``params.max_new_tokens`` = ``data.max_response_length``), the per-sequence metadata, and the
-    rollout engine's own log-probs of the sampled tokens (to measure train/inference mismatch).
-    Disaggregated servers are driven by rank 0 alone, for the global batch.
-    """
-    sync = parts.weight_sync
-    shard = {
-        "prompts": prompts.raw_prompt_ids, "uids": prompts.prompt_uids.tolist(),
-        "data_sources": prompts.data_sources, "ground_truths": prompts.ground_truths,
-        "extra_infos": prompts.extra_infos, "messages": prompts.messages,
-    }
-    if not sync.disaggregated:
-        mine = split_for_generation(prompts.raw_prompt_ids, sync.layout, dist.get_rank())
-        local = []
-        if parts.engine is not None:
-            local = [(s[0].token_ids, s[0].log_probs) for s in parts.engine.generate(mine, params)]
-        shard["responses"] = gather_generation_results(local, sync.groups)  # this DP rank's prompts, in order
-    shards: list = [None] * dist.get_world_size(parts.data_parallel_group)
-    dist.all_gather_object(shards, shard, group=parts.data_parallel_group)
-    merged = {key: [item for s in shards for item in s[key]] for key in shard}
-    if sync.disaggregated:
-        box = [None]
-        if dist.get_rank() == 0:
-            box = [[(s[0].token_ids, s[0].log_probs) for s in parts.engine.generate(merged["prompts"], params)]]
-        dist.broadcast_object_list(box, src=0)
-        merged["responses"] = box[0]
-    batch, rollout_log_probs = _to_rollout_batch(merged["prompts"], merged["responses"], params.max_new_tokens,
-                                                 parts.tokenizer.pad_token_id or 0)
-    meta = {key: merged[key] for key in ("data_sources", "ground_truths", "extra_infos", "messages")}
-    meta["uids"] = torch.as_tensor(merged["uids"], dtype=torch.long)
-    return batch, meta, rollout_log_probs
 
 
 def _score(parts: PPOComponents, batch: RolloutBatch, meta: dict, combine: RewardCombineConfig,
@@ -233,22 +229,6 @@ def _score(parts: PPOComponents, batch: RolloutBatch, meta: dict, combine: Rewar
     scores, combined_metrics = combine_rewards(sources, combine)
     metrics.update(combined_metrics)
     return scores, sources, metrics
-
-
-def _to_rollout_batch(prompts, responses, response_length: int, pad_id: int):
-    prompt_length = max(len(p) for p in prompts)
-    rows = len(prompts)
-    input_ids = torch.full((rows, prompt_length + response_length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    response_mask = torch.zeros(rows, response_length)
-    rollout_log_probs = torch.zeros(rows, response_length)
-    for i, (prompt, (tokens, log_probs)) in enumerate(zip(prompts, responses)):
-        input_ids[i, prompt_length - len(prompt):prompt_length] = torch.as_tensor(prompt)
-        attention_mask[i, prompt_length - len(prompt):prompt_length + len(tokens)] = 1
-        input_ids[i, prompt_length:prompt_length + len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
-        response_mask[i, :len(tokens)] = 1
-        rollout_log_probs[i, :len(tokens)] = torch.as_tensor(log_probs)
-    return RolloutBatch(input_ids, attention_mask, response_mask), rollout_log_probs
 
 
 def _batch_metrics(batch: RolloutBatch, scores, rollout_log_probs, reward_metrics) -> dict[str, float]:
@@ -283,8 +263,8 @@ def validate(cfg: ExperimentConfig, parts: PPOComponents) -> dict[str, float]:
     model_scores: list[float] = []
     per_prompt: list[list[float]] = []  # rule scores; each prompt's n responses are consecutive
     for prompts in parts.val_loader:
-        batch, meta, _ = generate(parts, prompts.repeat_interleave(val.n), params)
-        scores, sources, _ = _score(parts, batch, meta, cfg.reward_model.combine)
+        generated = generate(parts, prompts.repeat_interleave(val.n), params)
+        scores, sources, _ = _score(parts, generated.batch, generated.meta, cfg.reward_model.combine)
         rewards += scores.tolist()
         if sources.model is not None:
             model_scores += sources.model.tolist()
@@ -301,9 +281,10 @@ def validate(cfg: ExperimentConfig, parts: PPOComponents) -> dict[str, float]:
     return metrics
 
 
-def save_checkpoint(parts: PPOComponents, step: int) -> None:
-    """Everything ``resume_from_checkpoint`` needs to continue exactly after ``step`` (collective)."""
-    extra = {"step": step, "sampler": parts.train_loader.state_dict(), "kl_controller": parts.kl_controller.state_dict(),
+def save_checkpoint(parts: PPOComponents, step: int, sampler_state: dict) -> None:
+    """Everything ``resume_from_checkpoint`` needs to continue exactly after ``step`` (collective);
+    ``sampler_state``: the loader's position after the batch of ``step`` (``training_batches``)."""
+    extra = {"step": step, "sampler": sampler_state, "kl_controller": parts.kl_controller.state_dict(),
              # the roles seed each update's mini-batch shuffle with their call count
              "update_calls": {name: role.num_update_calls for name, role in _trained_roles(parts).items()}}
     path = parts.checkpoints.save(step, parts.checkpoint_targets(), extra_state=extra)

@@ -1,0 +1,169 @@
+"""The loop's rollout dataflow: prompts in, the generated global batch out on every rank (SPMD).
+
+Colocated engines generate each generation replica's share where the training ranks are; servers
+of their own (``rollout.mode=disaggregated``) are driven by rank 0 alone, for the global batch,
+and can generate one batch ahead (``trainer.max_staleness=1``, one-step off-policy, as in
+NeMo-RL's and AReaL's asynchronous modes): ``RolloutAhead.start`` sends the next batch's prompts
+to the servers in the background and returns at once, the trainer trains on the current batch, and
+``RolloutAhead.wait_idle`` waits for the servers to finish before the new weights are pushed (a
+server never mixes two weight versions within one batch).
+
+Policy versions: the weights step ``k`` trains from are version ``k`` (the initial or resumed
+weights, then those pushed after step ``k - 1``). On-policy, step ``k`` trains on version ``k``'s
+samples; one step off-policy, on version ``k - 1``'s (``k >= 2``; step 1 and the step after a
+resume have none in flight and generate on-policy).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.roles import RolloutBatch
+from engine.rollout.base import SamplingParams
+from parallel.hybrid_engine import gather_generation_results, split_for_generation
+
+
+@dataclasses.dataclass
+class Rollout:
+    """A generated global batch, the same on every rank."""
+
+    batch: RolloutBatch
+    meta: dict[str, Any]  # per sequence: data_sources, ground_truths, extra_infos, messages, uids
+    log_probs: torch.Tensor  # the engine's own log-probs of the sampled tokens, [B, response_length]
+    policy_version: int
+    generation_s: float  # how long the engine generated it (start to last response)
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A generation under way: the global prompts on every rank, the engine's answer on the ranks
+    that drive it (a future on rank 0 for servers of their own, the responses for colocated)."""
+
+    merged: dict[str, list]
+    local_uids: list[int]  # this data-parallel rank's prompts
+    params: SamplingParams
+    policy_version: int
+    responses: Any = None
+    future: concurrent.futures.Future | None = None
+
+
+def generate(parts, prompts, params: SamplingParams, policy_version: int = 0) -> Rollout:
+    """Generate ``prompts`` (this data-parallel rank's ``PromptBatch``) now; collective."""
+    return _finish(parts, _start(parts, prompts, params, policy_version))
+
+
+def _timed_generate(engine, prompts: list, params: SamplingParams) -> tuple[list, float]:
+    start = time.perf_counter()
+    responses = [(s[0].token_ids, s[0].log_probs) for s in engine.generate(prompts, params)]
+    return responses, time.perf_counter() - start
+
+
+def _in_background(fn, *args) -> concurrent.futures.Future:
+    """``fn(*args)`` on a daemon thread: a trainer that fails must not wait at exit for a
+    generation still in flight (an executor's threads are joined before the servers are stopped)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as error:  # handed to whoever takes the result
+            future.set_exception(error)
+
+    threading.Thread(target=run, daemon=True, name="rollout-ahead").start()
+    return future
+
+
+def _start(parts, prompts, params: SamplingParams, policy_version: int, background: bool = False) -> _Pending:
+    sync = parts.weight_sync
+    shard = {
+        "prompts": prompts.raw_prompt_ids, "uids": prompts.prompt_uids.tolist(),
+        "data_sources": prompts.data_sources, "ground_truths": prompts.ground_truths,
+        "extra_infos": prompts.extra_infos, "messages": prompts.messages,
+    }
+    responses = None
+    if not sync.disaggregated:
+        mine = split_for_generation(prompts.raw_prompt_ids, sync.layout, dist.get_rank())
+        local, seconds = _timed_generate(parts.engine, mine, params) if parts.engine is not None else ([], 0.0)
+        shard["responses"] = gather_generation_results(local, sync.groups)  # this DP rank's prompts, in order
+        responses = (None, seconds)
+    shards: list = [None] * dist.get_world_size(parts.data_parallel_group)
+    dist.all_gather_object(shards, shard, group=parts.data_parallel_group)
+    merged = {key: [item for s in shards for item in s[key]] for key in shard}
+    pending = _Pending(merged, shard["uids"], params, policy_version, responses)
+    if sync.disaggregated and dist.get_rank() == 0:
+        if background:
+            pending.future = _in_background(_timed_generate, parts.engine, merged["prompts"], params)
+        else:
+            pending.responses = _timed_generate(parts.engine, merged["prompts"], params)
+    return pending
+
+
+def _finish(parts, pending: _Pending) -> Rollout:
+    merged = pending.merged
+    answer = pending.future.result() if pending.future is not None else pending.responses
+    if parts.weight_sync.disaggregated:
+        box = [answer]
+        dist.broadcast_object_list(box, src=0)
+        merged["responses"], seconds = box[0]
+    else:
+        seconds = answer[1]
+    batch, log_probs = to_rollout_batch(merged["prompts"], merged["responses"], pending.params.max_new_tokens,
+                                        parts.tokenizer.pad_token_id or 0)
+    meta = {key: merged[key] for key in ("data_sources", "ground_truths", "extra_infos", "messages")}
+    meta["uids"] = torch.as_tensor(merged["uids"], dtype=torch.long)
+    return Rollout(batch, meta, log_probs, pending.policy_version, seconds)
+
+
+class RolloutAhead:
+    """At most one batch generating in the background on servers of their own (one step off-policy)."""
+
+    def __init__(self) -> None:
+        self._pending: _Pending | None = None
+
+    def take(self, parts, prompts, params: SamplingParams, policy_version: int) -> Rollout:
+        """The rollout of ``prompts``: the one generating in the background, else generated now."""
+        if self._pending is None:
+            return generate(parts, prompts, params, policy_version)
+        pending, self._pending = self._pending, None
+        if pending.local_uids != prompts.prompt_uids.tolist():
+            raise RuntimeError("the rollout generated ahead is not the batch the loop trains on next")
+        return _finish(parts, pending)
+
+    def start(self, parts, prompts, params: SamplingParams, policy_version: int) -> None:
+        """Send ``prompts`` to the servers and return; collective (the prompts are gathered)."""
+        if self._pending is not None:
+            raise RuntimeError("a rollout is already generating ahead (trainer.max_staleness is at most 1)")
+        self._pending = _start(parts, prompts, params, policy_version, background=True)
+
+    def wait_idle(self) -> float:
+        """Block until the servers have finished the batch generating ahead (before a weight push);
+        the seconds waited (0 off rank 0, or with nothing generating)."""
+        if self._pending is None or self._pending.future is None:
+            return 0.0
+        start = time.perf_counter()
+        concurrent.futures.wait([self._pending.future])
+        return time.perf_counter() - start
+
+
+def to_rollout_batch(prompts, responses, response_length: int, pad_id: int):
+    """Left-padded prompts and right-padded responses as one ``RolloutBatch``, and the engine's
+    log-probs in the response layout (0 on padding)."""
+    prompt_length = max(len(p) for p in prompts)
+    rows = len(prompts)
+    input_ids = torch.full((rows, prompt_length + response_length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    response_mask = torch.zeros(rows, response_length)
+    rollout_log_probs = torch.zeros(rows, response_length)
+    for i, (prompt, (tokens, log_probs)) in enumerate(zip(prompts, responses)):
+        input_ids[i, prompt_length - len(prompt):prompt_length] = torch.as_tensor(prompt)
+        attention_mask[i, prompt_length - len(prompt):prompt_length + len(tokens)] = 1
+        input_ids[i, prompt_length:prompt_length + len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
+        response_mask[i, :len(tokens)] = 1
+        rollout_log_probs[i, :len(tokens)] = torch.as_tensor(log_probs)
+    return RolloutBatch(input_ids, attention_mask, response_mask), rollout_log_probs
