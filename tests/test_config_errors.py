@@ -398,3 +398,17 @@ def test_max_staleness_needs_servers_that_generate_while_training():
     assert "check_weight_sync=True: must be false with trainer.max_staleness=1" in error_of(
         QWEN_7B, [*off_policy, "actor_rollout_ref.rollout.check_weight_sync=true"])
     assert "adv_estimator=remax" in error_of(QWEN_7B, [*off_policy, "algorithm.adv_estimator=remax"])
+
+
+def test_rollout_correction_settings():
+    key = "algorithm.rollout_correction"
+    assert f"{key}.rollout_is='tokens': must be null or one of ['token', 'sequence']" in error_of(
+        DEMO, [f"{key}.rollout_is=tokens"])
+    assert f"{key}.rollout_rs='seq': must be null or one of" in error_of(DEMO, [f"{key}.rollout_rs=seq"])
+    assert f"{key}.rollout_is_threshold=0.5: must be >= 1" in error_of(
+        DEMO, [f"{key}.rollout_is=token", f"{key}.rollout_is_threshold=0.5"])
+    assert f"{key}.rollout_rs_threshold_lower=3.0: must be in (0, rollout_rs_threshold=2.0]" in error_of(
+        DEMO, [f"{key}.rollout_rs=token", f"{key}.rollout_rs_threshold_lower=3"])
+    message = error_of(DEMO, [f"{key}.rollout_is=token", "actor_rollout_ref.actor.use_rollout_log_probs=true"])
+    assert "use_rollout_log_probs=True: must be false with algorithm.rollout_correction" in message
+    assert "silently do nothing" in message

@@ -69,7 +69,9 @@ def scenarios(tmp_path, demo_model) -> list[str]:
            "actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.top_k=20",
            "reward_model.enable=true", f"reward_model.model.path={reward_model}", "reward_model.combine.model_weight=0.1",
            "reward_model.combine.normalize_model_score=true", "reward_model.combine.model_score_clip=3",
-           "reward_model.combine.reward_clip=2"]
+           "reward_model.combine.reward_clip=2", "algorithm.rollout_correction.rollout_is=sequence",
+           "algorithm.rollout_correction.rollout_rs=geometric", "algorithm.rollout_correction.rollout_rs_threshold=1.5",
+           "algorithm.rollout_correction.rollout_rs_threshold_lower=0.5"]
     grpo = [*common, f"trainer.default_local_dir={run}/grpo", f"data.train_files={small}", "trainer.total_epochs=1",
             "trainer.total_training_steps=null", "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
             "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01",

@@ -116,10 +116,15 @@ def test_one_step_off_policy_trains_on_the_previous_weights_samples(demo_model, 
     # No weight check: the samples come from the weights before the last push (refused with it).
     run_main_job("yaml/demo_cpu.yaml", [
         *(o for o in DISAGGREGATED if "check_weight_sync" not in o), "trainer.max_staleness=1",
-        f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=4"])
+        f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=4",
+        "algorithm.rollout_correction.rollout_is=token"])
     rows = read_metrics(run_dir)
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     # Step 1 has nothing generated ahead; from then on, step k trains on step k - 1's weights' samples.
     assert [row["rollout/policy_version"] for row in rows] == [1, 1, 2, 3]
     assert [row["rollout/staleness"] for row in rows] == [0, 1, 1, 1]
     assert all(row["timing_s/rollout_generation"] > 0 for row in rows)
+    # The correction sees it: the same weights (step 1, fp32) differ by round-off only, one update
+    # apart they differ by about the update's own KL.
+    assert rows[0]["rollout_corr/kl_k3"] < 1e-9
+    assert all(row["rollout_corr/kl_k3"] > 1e-5 for row in rows[1:]), [row["rollout_corr/kl_k3"] for row in rows]

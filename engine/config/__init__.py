@@ -17,7 +17,7 @@ does not import torch; validation imports the algorithm registry lazily.
 """
 from engine.config.actor_rollout_ref import (ActorConfig, ActorRolloutRefConfig, PolicyLossConfig, RefConfig,
                                              RolloutConfig, SamplingConfig)
-from engine.config.algorithm import AlgorithmConfig, KLControlConfig
+from engine.config.algorithm import AlgorithmConfig, KLControlConfig, RolloutCorrectionConfig
 from engine.config.critic import CriticConfig
 from engine.config.data import DataConfig
 from engine.config.errors import ConfigError
@@ -29,5 +29,6 @@ from engine.config.trainer import TrainerConfig
 __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig",
     "ExperimentConfig", "KLControlConfig", "MegatronConfig", "ModelConfig", "OptimConfig", "PolicyLossConfig",
-    "PolicyModelConfig", "RefConfig", "RolloutConfig", "SamplingConfig", "TrainerConfig", "load_config", "to_yaml",
+    "PolicyModelConfig", "RefConfig", "RolloutConfig", "RolloutCorrectionConfig", "SamplingConfig", "TrainerConfig",
+    "load_config", "to_yaml",
 ]

@@ -24,6 +24,43 @@ class KLControlConfig:
     horizon: int = 10000
 
 
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+ROLLOUT_RS_LEVELS = ("token", "sequence", "geometric")
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """``algorithm.rollout_correction.*``: correct for the rollout engine's policy differing from
+    the trainer's (``engine.algo.rollout_correction``; verl's names and meaning). Off by default.
+
+    Attributes:
+        rollout_is: truncated importance sampling of the policy loss by pi_old / pi_rollout:
+            null (off), "token" (each token's ratio) or "sequence" (the product over the response).
+        rollout_is_threshold: C, the largest weight (weights above are truncated to it).
+        rollout_rs: rejection (masked importance sampling): null (off), "token", "sequence" or
+            "geometric" (the ratio's geometric mean over the response); what falls outside the
+            bounds leaves the actor's loss.
+        rollout_rs_threshold: the upper bound; null = ``rollout_is_threshold``.
+        rollout_rs_threshold_lower: the lower bound; null = 1 / the upper bound.
+    """
+
+    rollout_is: str | None = None
+    rollout_is_threshold: float = 2.0
+    rollout_rs: str | None = None
+    rollout_rs_threshold: float | None = None
+    rollout_rs_threshold_lower: float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.rollout_is is not None or self.rollout_rs is not None
+
+    def rejection_bounds(self) -> tuple[float, float]:
+        """(upper, lower) ratio bounds of the rejection."""
+        upper = self.rollout_rs_threshold if self.rollout_rs_threshold is not None else self.rollout_is_threshold
+        lower = self.rollout_rs_threshold_lower if self.rollout_rs_threshold_lower is not None else 1.0 / upper
+        return upper, lower
+
+
 @dataclass
 class AlgorithmConfig:
     """``algorithm.*``.
@@ -39,6 +76,7 @@ class AlgorithmConfig:
         use_kl_in_reward: subtract ``beta * KL(pi_old || pi_ref)`` from the token rewards.
         kl_penalty: that KL's estimator, one of ``registry.names("kl_estimator")``.
         kl_ctrl: how beta is chosen.
+        rollout_correction: importance weights / rejection for the rollout engine's own policy.
     """
 
     adv_estimator: str = "gae"
@@ -48,6 +86,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
     @property
     def uses_critic(self) -> bool:

@@ -365,6 +365,7 @@ def _check_rollout(config: ExperimentConfig, training_world: int) -> None:
             f"{ROLLOUT}.tensor_model_parallel_size=1 (got {rollout_tp}) or use name=sglang."
         )
     _check_staleness(config)
+    _check_rollout_correction(config)
     if rollout.mode == "disaggregated":
         _check_disaggregated(config)
         return
@@ -380,6 +381,26 @@ def _check_rollout(config: ExperimentConfig, training_world: int) -> None:
             f"raise {ACTOR}.megatron.tensor_model_parallel_size."
         )
     _check_replica_placement(config, training_world)
+
+
+def _check_rollout_correction(config: ExperimentConfig) -> None:
+    from engine.config.algorithm import ROLLOUT_IS_LEVELS, ROLLOUT_RS_LEVELS
+
+    correction, key = config.algorithm.rollout_correction, "algorithm.rollout_correction"
+    _require(correction.rollout_is is None or correction.rollout_is in ROLLOUT_IS_LEVELS, f"{key}.rollout_is",
+             correction.rollout_is, f"null or one of {list(ROLLOUT_IS_LEVELS)}")
+    _require(correction.rollout_rs is None or correction.rollout_rs in ROLLOUT_RS_LEVELS, f"{key}.rollout_rs",
+             correction.rollout_rs, f"null or one of {list(ROLLOUT_RS_LEVELS)}")
+    _require(correction.rollout_is_threshold >= 1, f"{key}.rollout_is_threshold", correction.rollout_is_threshold,
+             ">= 1 (the largest importance weight)")
+    if correction.rollout_rs is not None:
+        upper, lower = correction.rejection_bounds()
+        _require(upper > 0, f"{key}.rollout_rs_threshold", upper, "> 0")
+        _require(0 < lower <= upper, f"{key}.rollout_rs_threshold_lower", lower, f"in (0, rollout_rs_threshold={upper}]")
+    _require(not (correction.enabled and config.actor_rollout_ref.actor.use_rollout_log_probs),
+             f"{ACTOR}.use_rollout_log_probs", True,
+             f"false with {key}: pi_old would be the rollout's own log-probs, so every ratio would be 1 and the "
+             f"correction would silently do nothing")
 
 
 def _check_staleness(config: ExperimentConfig) -> None:

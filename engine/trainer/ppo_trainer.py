@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from engine.algo.advantages import AdvantageInputs, compute_advantages
 from engine.algo.kl import apply_kl_penalty
+from engine.algo.rollout_correction import compute_rollout_correction
 from engine.algo.stats import masked_mean
 from engine.config import ExperimentConfig
 from engine.config.reward_model import RewardCombineConfig
@@ -160,7 +161,8 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
             metrics.update(parts.critic.update_critic(batch))
     if step > cfg.critic.warmup_steps or parts.critic is None:
         with phase("update_actor", metrics):
-            metrics.update(parts.actor.update_policy(batch, temperature))
+            actor_batch = _corrected_for_the_rollout_policy(batch, rollout_log_probs, algo, metrics)
+            metrics.update(parts.actor.update_policy(actor_batch, temperature))
         metrics["perf/mfu/actor"] = _actor_update_mfu(cfg, parts, batch, metrics["timing_s/update_actor"])
     with phase("update_weights", metrics):  # every step: released weights must be pushed again
         metrics["timing_s/wait_rollout_ahead"] = parts.rollout_ahead.wait_idle()  # the servers must be idle
@@ -176,6 +178,18 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
     metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / dist.get_world_size()
     metrics.update(step_peak_memory(metrics))
     return metrics
+
+
+def _corrected_for_the_rollout_policy(batch: RolloutBatch, rollout_log_probs, algo, metrics: dict) -> RolloutBatch:
+    """The actor's batch under ``algorithm.rollout_correction``: the engine sampled from pi_rollout,
+    PPO's ratio is taken against pi_old; TIS weights scale the advantages (w > 0, so the weighted
+    clipped loss is the clipped loss of w * A) and rejected tokens leave the mask."""
+    if not algo.rollout_correction.enabled:
+        return batch
+    correction = compute_rollout_correction(batch.old_log_probs, rollout_log_probs, batch.response_mask,
+                                            algo.rollout_correction)
+    metrics.update(correction.metrics)
+    return replace(batch, advantages=batch.advantages * correction.weights, response_mask=correction.mask)
 
 
 def _staleness_metrics(generated, step: int) -> dict[str, float]:
