@@ -11,6 +11,10 @@
 #   --rdzv-endpoint H:P    c10d rendezvous host:port, a host every node reaches; the store runs
 #                          there (default 127.0.0.1:29500, fine for one node)
 #   --rdzv-id ID           rendezvous id shared by all nodes of one job (default trident)
+#   --rollout-gpus K       disaggregated rollout on one node: K of its GPUs go to the SGLang
+#                          servers, the ranks take the rest (default --nproc-per-node: the GPUs
+#                          nvidia-smi lists minus K); adds actor_rollout_ref.rollout.mode=disaggregated,
+#                          rollout.num_gpus=K and trainer.n_gpus_per_node to the overrides
 #   --module M             the SPMD entry module (default launch.main)
 #   --dry-run              print the command, run nothing (also: TRIDENT_DRY_RUN=1 in the
 #                          environment, which reaches the copies srun starts)
@@ -27,9 +31,10 @@ nproc_per_node=""
 rdzv_endpoint="127.0.0.1:29500"
 rdzv_id="trident"
 module="launch.main"
+rollout_gpus=0
 dry_run="${TRIDENT_DRY_RUN:-0}"
 
-usage() { sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 die() { echo "launch/torchrun.sh: $*" >&2; exit 2; }
 
 while [[ $# -gt 0 ]]; do
@@ -40,6 +45,7 @@ while [[ $# -gt 0 ]]; do
     --rdzv-endpoint) rdzv_endpoint="${2:?--rdzv-endpoint needs a value}"; shift 2 ;;
     --rdzv-id) rdzv_id="${2:?--rdzv-id needs a value}"; shift 2 ;;
     --module) module="${2:?--module needs a value}"; shift 2 ;;
+    --rollout-gpus) rollout_gpus="${2:?--rollout-gpus needs a value}"; shift 2 ;;
     --dry-run) dry_run=1; shift ;;
     -h|--help) usage; exit 0 ;;
     --) shift; break ;;
@@ -52,11 +58,24 @@ done
 [[ "$nnodes" =~ ^[1-9][0-9]*$ ]] || die "--nnodes must be a positive integer, got '$nnodes'"
 [[ "$node_rank" =~ ^[0-9]+$ && "$node_rank" -lt "$nnodes" ]] || die "--node-rank must be in 0..$((nnodes - 1)), got '$node_rank'"
 [[ "$rdzv_endpoint" == *:* ]] || die "--rdzv-endpoint must be HOST:PORT, got '$rdzv_endpoint'"
+[[ "$rollout_gpus" =~ ^[0-9]+$ ]] || die "--rollout-gpus must be a non-negative integer, got '$rollout_gpus'"
+if [[ "$rollout_gpus" -gt 0 && "$nnodes" -ne 1 ]]; then
+  die "--rollout-gpus places the servers on the trainer's node; with --nnodes $nnodes the servers would need nodes of their own, which is not built yet"
+fi
 if [[ -z "$nproc_per_node" ]]; then
   nproc_per_node="$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)"
   [[ "$nproc_per_node" -gt 0 ]] || nproc_per_node=1
+  if [[ "$rollout_gpus" -gt 0 ]]; then
+    nproc_per_node=$((nproc_per_node - rollout_gpus))
+    [[ "$nproc_per_node" -gt 0 ]] || die "--rollout-gpus $rollout_gpus leaves no GPU of this node to the trainer"
+  fi
 fi
 [[ "$nproc_per_node" =~ ^[1-9][0-9]*$ ]] || die "--nproc-per-node must be a positive integer, got '$nproc_per_node'"
+program=("$@")
+if [[ "$rollout_gpus" -gt 0 ]]; then
+  program+=("actor_rollout_ref.rollout.mode=disaggregated" "actor_rollout_ref.rollout.num_gpus=$rollout_gpus"
+            "trainer.n_gpus_per_node=$nproc_per_node")
+fi
 
 python="${PYTHON:-}"
 if [[ -z "$python" ]]; then
@@ -73,7 +92,7 @@ command=(
   --rdzv-id="$rdzv_id"
   # Fail fast: a lost rank means a broken collective; Slurm requeue + auto-resume restarts the job.
   --max-restarts=0
-  -m "$module" "$@"
+  -m "$module" "${program[@]}"
 )
 
 if [[ "$dry_run" -eq 1 ]]; then

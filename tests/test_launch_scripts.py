@@ -71,6 +71,22 @@ def test_slurm_dry_run_two_nodes():
         assert module == "launch.main" and program == expected_program
 
 
+def test_slurm_gives_rollout_gpus_to_servers_on_a_one_node_job():
+    env = {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "gpu01", "SLURM_GPUS_ON_NODE": "8"}
+    lines = run("bash", "launch/slurm/ppo.sbatch", "--dry-run", "--rollout-gpus", "2", YAML, env=env).splitlines()
+    options, _, program = torchrun_args(next(line for line in lines if line.startswith("# node 0")).split(": ", 1)[1])
+    assert options["--nproc-per-node"] == "6"  # the trainer's ranks; GPUs 6 and 7 go to the servers
+    assert program[-3:] == ["actor_rollout_ref.rollout.mode=disaggregated", "actor_rollout_ref.rollout.num_gpus=2",
+                            "trainer.n_gpus_per_node=6"]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    two_nodes = subprocess.run(["bash", "launch/slurm/ppo.sbatch", "--dry-run", "--nodelist", "gpu[01-02]",
+                                "--rollout-gpus", "2", YAML], cwd=REPO, env=clean, capture_output=True, text=True)
+    assert two_nodes.returncode == 2 and "servers on nodes of their own are not built yet" in two_nodes.stderr
+    refused = subprocess.run(["launch/torchrun.sh", "--dry-run", "--nnodes", "2", "--rollout-gpus", "1", YAML],
+                             cwd=REPO, capture_output=True, text=True)
+    assert refused.returncode == 2 and "--rollout-gpus places the servers on the trainer's node" in refused.stderr
+
+
 def test_ray_cluster_script_dry_run():
     lines = run("bash", "launch/ray/start_cluster_in_slurm.sh", "--dry-run", "--nodelist", "n[1-3]", "--",
                 "python", "-m", "launch.ray_launcher", YAML, "--num-gpus", "24").splitlines()
