@@ -1,7 +1,7 @@
 """Run the Trident SPMD program on a Ray cluster: one worker per device, as torchrun would.
 
     python -m launch.ray_launcher yaml/X.yaml --num-gpus 16 [--gpus-per-node 8]
-        [--placement-strategy STRICT_PACK|PACK] [--device gpu|cpu] [--dry-run] [key=value ...]
+        [--placement-strategy STRICT_PACK|PACK] [--device gpu|cpu] [--rollout-gpus K] [--dry-run] [key=value ...]
 
 Workers are placed with a placement group: STRICT_PACK (default) makes one group per node of
 ``--gpus-per-node`` bundles, so every node is filled completely and ranks are contiguous per
@@ -12,6 +12,12 @@ NODE_RANK, MASTER_ADDR, MASTER_PORT, and CUDA_VISIBLE_DEVICES listing the node's
 job (so LOCAL_RANK indexes them, as under torchrun). The program cannot tell the two launchers
 apart. A child process (rather than a call inside the actor) gives each rank a fresh interpreter
 and a clean exit, like torchrun's agent.
+
+``--rollout-gpus K`` (disaggregated rollout, one node): the node's placement group also reserves
+K GPUs for the SGLang servers rank 0 starts (held by idle workers, so Ray gives them to no one
+else); they follow the trainer's GPUs in that node's CUDA_VISIBLE_DEVICES, where the trainer
+looks for them, and the program gets ``actor_rollout_ref.rollout.mode=disaggregated``,
+``rollout.num_gpus=K`` and ``trainer.n_gpus_per_node``.
 
 The cluster is the one in RAY_ADDRESS (see launch/ray/start_cluster_in_slurm.sh), or a local one.
 If any rank fails, the others are terminated and the launcher exits with that rank's status.
@@ -61,8 +67,17 @@ class RayLaunchConfig:
     log_dir: str | None = None
     timeout_s: float | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    rollout_gpus: int = 0
 
     def validate(self) -> None:
+        if self.rollout_gpus < 0:
+            raise RayLaunchError(f"--rollout-gpus must be >= 0, got {self.rollout_gpus}")
+        if self.rollout_gpus and (self.placement_strategy != "STRICT_PACK"
+                                  or self.num_workers + self.rollout_gpus > self.workers_per_node):
+            raise RayLaunchError(
+                f"--rollout-gpus {self.rollout_gpus} puts the servers on the trainer's node: it needs STRICT_PACK and "
+                f"--num-gpus {self.num_workers} + {self.rollout_gpus} <= --gpus-per-node {self.workers_per_node} "
+                f"(servers on nodes of their own are not built yet)")
         if self.num_workers < 1:
             raise RayLaunchError(f"--num-gpus must be >= 1, got {self.num_workers}")
         if self.workers_per_node < 1:
@@ -90,14 +105,18 @@ class RayLaunchConfig:
         return resources
 
     def placement_groups(self) -> list[list[dict[str, float]]]:
-        """Bundles per placement group: one group per node for STRICT_PACK, one in all for PACK."""
+        """Bundles per placement group: one group per node for STRICT_PACK, one in all for PACK;
+        the first group ends with the rollout servers' bundles."""
         if self.placement_strategy == "PACK":
             return [[self.bundle() for _ in range(self.num_workers)]]
         sizes = [min(self.workers_per_node, self.num_workers - start) for start in range(0, self.num_workers, self.workers_per_node)]
+        sizes[0] += self.rollout_gpus
         return [[self.bundle() for _ in range(size)] for size in sizes]
 
     def command(self, python: str = sys.executable) -> list[str]:
-        return [python, "-m", self.entry_module, *self.program_args]
+        disaggregated = ("actor_rollout_ref.rollout.mode=disaggregated", f"actor_rollout_ref.rollout.num_gpus={self.rollout_gpus}",
+                         f"trainer.n_gpus_per_node={self.num_workers}") if self.rollout_gpus else ()
+        return [python, "-m", self.entry_module, *self.program_args, *disaggregated]
 
 
 @dataclass(frozen=True)
@@ -108,12 +127,14 @@ class WorkerPlacement:
     gpu_ids: tuple[str, ...]
 
 
-def rank_environments(placements: list[WorkerPlacement], master_port: int) -> list[dict[str, str]]:
+def rank_environments(placements: list[WorkerPlacement], master_port: int,
+                      rollout: WorkerPlacement | None = None) -> list[dict[str, str]]:
     """The torchrun environment of each worker, in the order of ``placements``.
 
     Ranks are numbered node by node (nodes in order of first appearance, i.e. of placement
     groups / bundles), and within a node by GPU id (by bundle order on CPU). Every worker sees the
-    GPUs of all workers of the job on its node, so LOCAL_RANK indexes CUDA_VISIBLE_DEVICES.
+    GPUs of all workers of the job on its node, so LOCAL_RANK indexes CUDA_VISIBLE_DEVICES;
+    ``rollout``: the GPUs reserved for the rollout servers, appended on their node.
     """
     nodes: list[str] = []
     for placement in placements:
@@ -141,7 +162,10 @@ def rank_environments(placements: list[WorkerPlacement], master_port: int) -> li
             "MASTER_PORT": str(master_port),
         }
         if placement.gpu_ids:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu for w in same_node for gpu in placements[w].gpu_ids)
+            gpus = [gpu for w in same_node for gpu in placements[w].gpu_ids]
+            if rollout is not None and rollout.node_ip == placement.node_ip:
+                gpus += list(rollout.gpu_ids)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         environments.append(env)
     return environments
 
@@ -220,11 +244,15 @@ def dry_run_lines(config: RayLaunchConfig, python: str = sys.executable) -> list
     groups = config.placement_groups()
     for index, bundles in enumerate(groups):
         lines.append(f"placement_group {index}: strategy={config.placement_strategy} bundles={bundles}")
+    if config.rollout_gpus:
+        lines.append(f"placement_group 0: the last {config.rollout_gpus} bundles hold the rollout servers' GPUs, "
+                     f"listed after the trainer's in that node's CUDA_VISIBLE_DEVICES")
     rank = 0
     for group_index, bundles in enumerate(groups):
-        for bundle_index in range(len(bundles)):
+        ranks_here = len(bundles) - (config.rollout_gpus if group_index == 0 else 0)
+        for bundle_index in range(ranks_here):
             if config.placement_strategy == "STRICT_PACK":
-                node, local_rank, local_world = f"<node of group {group_index}>", bundle_index, len(bundles)
+                node, local_rank, local_world = f"<node of group {group_index}>", bundle_index, ranks_here
                 node_rank = group_index
                 master = "<node of group 0>"
             else:
@@ -255,6 +283,7 @@ def launch(config: RayLaunchConfig) -> int:
     ensure_ray_initialized(num_cpus=max(1, int(config.num_workers * config.cpus_per_worker + 0.999)))
     groups = [placement_group(bundles, strategy=config.placement_strategy) for bundles in config.placement_groups()]
     workers: list = []
+    holders: list = []  # idle actors holding the rollout servers' GPUs: the last bundles of group 0
     try:
         ready, _ = ray.wait([group.ready() for group in groups], num_returns=len(groups), timeout=PLACEMENT_TIMEOUT_S)
         if len(ready) < len(groups):
@@ -264,9 +293,10 @@ def launch(config: RayLaunchConfig) -> int:
                 f"available: {ray.available_resources()} (see `ray status`)"
             )
         actor_class = ray.remote(SpmdWorker)
-        for group in groups:
+        for group_index, group in enumerate(groups):
             for bundle_index in range(group.bundle_count):
-                workers.append(
+                held = group_index == 0 and bundle_index >= group.bundle_count - config.rollout_gpus
+                (holders if held else workers).append(
                     actor_class.options(
                         num_cpus=config.cpus_per_worker,
                         num_gpus=1 if config.device == "gpu" else 0,
@@ -275,11 +305,15 @@ def launch(config: RayLaunchConfig) -> int:
                     ).remote()
                 )
         placements = ray.get([worker.placement.remote() for worker in workers])
+        rollout = None
+        if holders:
+            held = ray.get([holder.placement.remote() for holder in holders])
+            rollout = WorkerPlacement(held[0].node_ip, tuple(gpu for h in held for gpu in h.gpu_ids))
         # The rendezvous port must be free on rank 0's node, so ask the worker that gets rank 0.
         provisional = rank_environments(placements, master_port=0)
         rank0 = next(index for index, env in enumerate(provisional) if env["RANK"] == "0")
         port = ray.get(workers[rank0].free_port.remote())
-        environments = rank_environments(placements, port)
+        environments = rank_environments(placements, port, rollout)
         if config.log_dir:
             Path(config.log_dir).mkdir(parents=True, exist_ok=True)
         pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
@@ -290,7 +324,7 @@ def launch(config: RayLaunchConfig) -> int:
             runs[worker.run.remote(config.command(), env, os.getcwd(), log_path)] = env["RANK"]
         return _wait_for_ranks(runs, workers, config.timeout_s)
     finally:
-        for worker in workers:
+        for worker in workers + holders:
             ray.kill(worker)
         for group in groups:
             remove_placement_group(group)
@@ -337,6 +371,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[RayLaunchConfig, bool]:
     parser.add_argument("--module", default="launch.main", help="the SPMD entry module")
     parser.add_argument("--log-dir", default=None, help="write each rank's output to LOG_DIR/rank-R.log")
     parser.add_argument("--timeout-s", type=float, default=None, help="stop all ranks after this long (exit 124)")
+    parser.add_argument("--rollout-gpus", type=int, default=0,
+                        help="disaggregated rollout: GPUs of the trainer's node reserved for the SGLang servers")
     parser.add_argument("--dry-run", action="store_true", help="print the placement and the per-rank commands, run nothing")
     args = parser.parse_intermixed_args(argv)
     config = RayLaunchConfig(
@@ -350,6 +386,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[RayLaunchConfig, bool]:
         log_dir=args.log_dir,
         timeout_s=args.timeout_s,
         extra_env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+        rollout_gpus=args.rollout_gpus,
     )
     return config, args.dry_run
 

@@ -126,3 +126,20 @@ def test_ray_dry_run_and_placement_validation():
     with pytest.raises(RayLaunchError, match="not a multiple"):
         RayLaunchConfig(program_args=(YAML,), num_workers=12, workers_per_node=8).validate()
     assert len(RayLaunchConfig(program_args=(YAML,), num_workers=12, placement_strategy="PACK").placement_groups()) == 1
+
+
+def test_ray_reserves_rollout_gpus_on_the_trainers_node():
+    config = RayLaunchConfig(program_args=(YAML,), num_workers=6, workers_per_node=8, rollout_gpus=2)
+    config.validate()
+    assert [len(group) for group in config.placement_groups()] == [8]
+    lines = dry_run_lines(config, python="python")
+    ranks = [line for line in lines if line.startswith("rank ")]
+    assert len(ranks) == 6 and "LOCAL_WORLD_SIZE=6" in ranks[0]
+    assert ranks[0].endswith("actor_rollout_ref.rollout.mode=disaggregated actor_rollout_ref.rollout.num_gpus=2 "
+                             "trainer.n_gpus_per_node=6")
+    # The held GPUs follow the trainer's on their node, so the trainer finds them at LOCAL_WORLD_SIZE..
+    placements = [WorkerPlacement("10.0.0.2", (str(gpu),)) for gpu in (3, 0, 1, 2)]
+    envs = rank_environments(placements, 31000, rollout=WorkerPlacement("10.0.0.2", ("6", "7")))
+    assert {env["CUDA_VISIBLE_DEVICES"] for env in envs} == {"0,1,2,3,6,7"}
+    with pytest.raises(RayLaunchError, match="servers on nodes of their own are not built yet"):
+        RayLaunchConfig(program_args=(YAML,), num_workers=8, workers_per_node=8, rollout_gpus=2).validate()
