@@ -171,3 +171,7 @@ def test_the_trainer_leaves_the_batch_alone_when_the_correction_is_off():
     expected = compute_rollout_correction(old, rollout, mask, algo.rollout_correction).weights
     assert torch.equal(corrected.advantages, expected) and torch.equal(corrected.old_log_probs, old)
     assert torch.equal(corrected.response_mask, mask)  # IS alone rejects nothing
+    strict = AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(rollout_rs="token", rollout_rs_threshold=1.0,
+                                                                        rollout_rs_threshold_lower=1.0))
+    with pytest.raises(ValueError, match="rejected every response token of the batch .*widen the bounds"):
+        _corrected_for_the_rollout_policy(plain, rollout, strict, {})

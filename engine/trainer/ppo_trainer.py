@@ -189,6 +189,11 @@ def _corrected_for_the_rollout_policy(batch: RolloutBatch, rollout_log_probs, al
     correction = compute_rollout_correction(batch.old_log_probs, rollout_log_probs, batch.response_mask,
                                             algo.rollout_correction)
     metrics.update(correction.metrics)
+    if not correction.mask.any():
+        raise ValueError(f"algorithm.rollout_correction rejected every response token of the batch (rollout_rs="
+                         f"{algo.rollout_correction.rollout_rs}, bounds {algo.rollout_correction.rejection_bounds()}; "
+                         f"ratios from {correction.metrics['rollout_corr/is_ratio_min']:.3g} to "
+                         f"{correction.metrics['rollout_corr/is_ratio_max']:.3g}): widen the bounds")
     return replace(batch, advantages=batch.advantages * correction.weights, response_mask=correction.mask)
 
 
