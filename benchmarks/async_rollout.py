@@ -110,13 +110,13 @@ def run(name: str, overrides: tuple[str, ...], args, work: Path) -> dict:
         return statistics.median(list(values))
 
     step_s = median(row["timing_s/step"] for row in timed)
-    generation_s = median(row["timing_s/rollout_generation"] for row in timed)
+    generation_s = median(row["perf/rollout_generation_s"] for row in timed)
     return {
         "trainer_cpus": sorted(trainer_cpus), "server_cpus": sorted(args.server_cpus) if disaggregated else None,
         "server_threads_pinned": len(pinned),
         "tokens_per_s": median(row["perf/total_num_tokens"] / row["timing_s/step"] for row in timed),
         "step_s": step_s, "generation_s": generation_s,
-        "trainer_idle_s": median(row["timing_s/gen"] + row["timing_s/wait_rollout_ahead"] for row in timed),
+        "trainer_idle_s": median(row["timing_s/gen"] + row["perf/wait_rollout_ahead_s"] for row in timed),
         "server_idle_s": max(0.0, step_s - generation_s),
         "staleness": [row["rollout/staleness"] for row in timed], "steps": rows,
     }

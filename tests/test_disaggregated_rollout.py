@@ -123,7 +123,7 @@ def test_one_step_off_policy_trains_on_the_previous_weights_samples(demo_model, 
     # Step 1 has nothing generated ahead; from then on, step k trains on step k - 1's weights' samples.
     assert [row["rollout/policy_version"] for row in rows] == [1, 1, 2, 3]
     assert [row["rollout/staleness"] for row in rows] == [0, 1, 1, 1]
-    assert all(row["timing_s/rollout_generation"] > 0 for row in rows)
+    assert all(row["perf/rollout_generation_s"] > 0 for row in rows)
     # The correction sees it: the same weights (step 1, fp32) differ by round-off only, one update
     # apart they differ by about the update's own KL.
     assert rows[0]["rollout_corr/kl_k3"] < 1e-9

@@ -165,7 +165,7 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
             metrics.update(parts.actor.update_policy(actor_batch, temperature))
         metrics["perf/mfu/actor"] = _actor_update_mfu(cfg, parts, batch, metrics["timing_s/update_actor"])
     with phase("update_weights", metrics):  # every step: released weights must be pushed again
-        metrics["timing_s/wait_rollout_ahead"] = parts.rollout_ahead.wait_idle()  # the servers must be idle
+        metrics["perf/wait_rollout_ahead_s"] = parts.rollout_ahead.wait_idle()  # the servers must be idle
         _resume_engine_memory(parts, (WEIGHTS,))
         sync = parts.weight_sync.sync(parts.engine)
         _resume_engine_memory(parts, (KV_CACHE,))
@@ -199,10 +199,10 @@ def _corrected_for_the_rollout_policy(batch: RolloutBatch, rollout_log_probs, al
 
 def _staleness_metrics(generated, step: int) -> dict[str, float]:
     """Which weights sampled the batch: ``rollout/policy_version`` (the step that trains from them)
-    and how many steps behind the trainer's they are; ``timing_s/rollout_generation`` is how long
+    and how many steps behind the trainer's they are; ``perf/rollout_generation_s`` is how long
     the engine generated it (overlapped with the previous step's training when generated ahead)."""
     return {"rollout/policy_version": generated.policy_version, "rollout/staleness": step - generated.policy_version,
-            "timing_s/rollout_generation": generated.generation_s}
+            "perf/rollout_generation_s": generated.generation_s}
 
 
 def _actor_update_mfu(cfg: ExperimentConfig, parts: PPOComponents, batch: RolloutBatch, seconds: float) -> float | None:
