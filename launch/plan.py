@@ -171,6 +171,9 @@ def memory_inputs(config: ExperimentConfig, world_size: int) -> tuple[list[Model
     """
     arr = config.actor_rollout_ref
     actor, rollout = arr.actor, arr.rollout
+    if rollout.mode != "colocated":
+        raise PlanError(f"actor_rollout_ref.rollout.mode={rollout.mode}: the planner models colocated rollout only "
+                        f"(servers on GPUs of their own are not estimated yet)")
     training_world = world_size  # colocated: the engine shares every training GPU
     architecture, source = resolve_architecture(arr.model.path, "actor_rollout_ref.model.path")
     _check_split(architecture, actor.megatron, "actor_rollout_ref.actor.megatron")

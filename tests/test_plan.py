@@ -75,6 +75,13 @@ def test_unknown_architecture_is_a_clear_error(capsys):
     assert status == 2 and "actor_rollout_ref.model.path=/models/Mystery-9B" in err and "config.json" in err
 
 
+def test_disaggregated_rollout_is_not_estimated(capsys):
+    status = main(["yaml/qwen2.5-7b_gsm8k.yaml", "actor_rollout_ref.rollout.mode=disaggregated",
+                   "actor_rollout_ref.rollout.num_gpus=2"])
+    err = capsys.readouterr().err
+    assert status == 2 and "the planner models colocated rollout only" in err
+
+
 def test_config_json_beats_the_table(tmp_path, capsys):
     folder = tmp_path / "Meta-Llama-3-70B-Instruct"
     folder.mkdir()
