@@ -407,8 +407,15 @@ def test_rollout_correction_settings():
     assert f"{key}.rollout_rs='seq': must be null or one of" in error_of(DEMO, [f"{key}.rollout_rs=seq"])
     assert f"{key}.rollout_is_threshold=0.5: must be >= 1" in error_of(
         DEMO, [f"{key}.rollout_is=token", f"{key}.rollout_is_threshold=0.5"])
-    assert f"{key}.rollout_rs_threshold_lower=3.0: must be in (0, rollout_rs_threshold=2.0]" in error_of(
+    assert f"{key}.rollout_is_threshold=0.0: must be >= 1" in error_of(DEMO, [f"{key}.rollout_is_threshold=0"])
+    assert f"{key}.rollout_rs_threshold=0.0: must be >= 1 or null (a ratio of 1" in error_of(
+        DEMO, [f"{key}.rollout_rs=sequence", f"{key}.rollout_rs_threshold=0"])
+    assert f"{key}.rollout_rs_threshold=0.9: must be >= 1" in error_of(
+        DEMO, [f"{key}.rollout_rs=geometric", f"{key}.rollout_rs_threshold=0.9"])
+    assert f"{key}.rollout_rs_threshold_lower=3.0: must be in (0, 1] or null" in error_of(  # above the upper 2.0
         DEMO, [f"{key}.rollout_rs=token", f"{key}.rollout_rs_threshold_lower=3"])
+    assert f"{key}.rollout_rs_threshold_lower=-0.5: must be in (0, 1]" in error_of(
+        DEMO, [f"{key}.rollout_rs=token", f"{key}.rollout_rs_threshold_lower=-0.5"])
     message = error_of(DEMO, [f"{key}.rollout_is=token", "actor_rollout_ref.actor.use_rollout_log_probs=true"])
     assert "use_rollout_log_probs=True: must be false with algorithm.rollout_correction" in message
     assert "silently do nothing" in message

@@ -107,6 +107,21 @@ def test_hand_built_fractions():
     assert sequence.metrics["rollout_corr/masked_sequence_fraction"] == 0.0  # geometric mean of e, 1, 1/e is 1
 
 
+def test_padding_values_never_reach_the_weights():
+    old, rollout, mask = batch(4)
+    poisoned_old, poisoned_rollout = old.clone(), rollout.clone()
+    poisoned_old[mask == 0], poisoned_rollout[mask == 0] = float("inf"), float("-inf")
+    config = RolloutCorrectionConfig(rollout_is="sequence", rollout_rs="geometric", rollout_rs_threshold=1.15)
+    clean, poisoned = (compute_rollout_correction(o, r, mask, config) for o, r in ((old, rollout),
+                                                                                   (poisoned_old, poisoned_rollout)))
+    assert torch.equal(clean.weights, poisoned.weights) and torch.equal(clean.mask, poisoned.mask)
+    assert clean.metrics == poisoned.metrics
+    # log PPL_old - log PPL_rollout per sequence, averaged over sequences
+    real = mask > 0
+    per_sequence = [float(-(old[i] - rollout[i])[real[i]].double().mean()) for i in range(len(mask))]
+    assert clean.metrics["rollout_corr/log_ppl_diff"] == pytest.approx(sum(per_sequence) / len(per_sequence))
+
+
 def test_a_huge_ratio_stays_finite():
     old, rollout = torch.tensor([[0.0]]), torch.tensor([[-1000.0]])
     correction = compute_rollout_correction(old, rollout, torch.ones(1, 1), RolloutCorrectionConfig(rollout_is="token"))

@@ -394,9 +394,13 @@ def _check_rollout_correction(config: ExperimentConfig) -> None:
     _require(correction.rollout_is_threshold >= 1, f"{key}.rollout_is_threshold", correction.rollout_is_threshold,
              ">= 1 (the largest importance weight)")
     if correction.rollout_rs is not None:
-        upper, lower = correction.rejection_bounds()
-        _require(upper > 0, f"{key}.rollout_rs_threshold", upper, "> 0")
-        _require(0 < lower <= upper, f"{key}.rollout_rs_threshold_lower", lower, f"in (0, rollout_rs_threshold={upper}]")
+        # [lower, upper] must hold 1: a token or sequence both policies agree on is never rejected.
+        upper = correction.rollout_rs_threshold
+        _require(upper is None or upper >= 1, f"{key}.rollout_rs_threshold", upper,
+                 ">= 1 or null (a ratio of 1, both policies agreeing, must be kept)")
+        lower = correction.rollout_rs_threshold_lower
+        _require(lower is None or 0 < lower <= 1, f"{key}.rollout_rs_threshold_lower", lower,
+                 "in (0, 1] or null (a ratio of 1, both policies agreeing, must be kept)")
     _require(not (correction.enabled and config.actor_rollout_ref.actor.use_rollout_log_probs),
              f"{ACTOR}.use_rollout_log_probs", True,
              f"false with {key}: pi_old would be the rollout's own log-probs, so every ratio would be 1 and the "
