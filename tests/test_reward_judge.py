@@ -58,7 +58,9 @@ def test_a_judge_that_dies_mid_run_stops_the_run_with_a_clear_error(demo_model, 
         [sys.executable, "-m", "launch.cli", "yaml/demo_cpu.yaml", f"trainer.default_local_dir={run_dir}",
          "trainer.total_training_steps=30", "trainer.test_freq=-1", "trainer.val_before_train=false",
          "trainer.save_freq=-1", "reward_model.judge.enable=true", f"reward_model.judge.model.path={judge_dir}",
-         "reward_model.judge.model.dtype=float32", "reward_model.judge.prompt_template='{prompt} {response}'",
+         "reward_model.judge.model.dtype=float32", "reward_model.judge.prompt_template='{response} {prompt}'",
+         # the question last: the demo model answers it with a number (with the response last, this
+         # machine's demo model ended 6 of 64 replies at once, an unscorable '')
          "reward_model.judge.max_score=200", "reward_model.judge.max_tokens=4", "reward_model.judge.timeout_s=20",
          "reward_model.judge.max_retries=1"],
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
