@@ -25,7 +25,16 @@ without a GPU we run the real megatron-core code on CPU tensors by:
    here: 145 ms vs 2.7 ms for a 512x128 @ 128x1024 bf16 product). Patched as functions, so that
    megatron's linear layers' own backward passes (autograd Functions) take the fast path too;
 6. ``torch.compile`` off (``torch._dynamo.config.disable``): megatron's jit fuser would compile for
-   ~16 s on CPU, and dynamo's tracing rules reject the stand-ins of (2) ("Duplicate torch object").
+   ~16 s on CPU, and dynamo's tracing rules reject the stand-ins of (2) ("Duplicate torch object");
+7. the mode of (1) suspended inside the model's forward pass (``GPTModel.forward``) and the
+   schedules' backward step: they create no CUDA tensors (their device queries go to the stand-ins
+   of (2)), and each of their ~300 torch calls per layer would otherwise pay the mode's Python
+   dispatch (~1.5 us a call, ~4 us before its fast path; a tiny model's step makes ~25k such calls).
+   The few places of the forward pass that do create CUDA tensors run with the mode again
+   (:func:`_with_device_rewriting`: the unfused softmax's causal masks); a new one fails loudly
+   ("Found no NVIDIA driver") and belongs in ``_model_compute_outside_mode`` (megatron's MoE
+   aux-loss tracker will, when MoE runs here). Code that is not megatron's and runs many small
+   ops (the embedded engine's HF generation) opts out with :func:`without_device_rewriting`.
 
 ``activate()`` does nothing when CUDA is available: the GPU path runs megatron-core untouched
 (tests/test_cpu_compat.py proves it). Nothing else in Trident may special-case CPU for
@@ -35,11 +44,12 @@ megatron's sake; put any further bridge here.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Any, Iterator
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode, _pop_mode_temporarily
 
 logger = logging.getLogger(__name__)
 
@@ -74,23 +84,32 @@ def _is_cuda_device(device: Any) -> bool:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """Rewrites CUDA device arguments to CPU for every torch call made while it is active."""
+    """Rewrites CUDA device arguments to CPU for every torch call made while it is active.
+
+    Every torch call of the process passes through here, so the common case (no device keyword,
+    none of the three methods below) returns after one dict lookup and one set lookup.
+    """
+
+    _METHODS = frozenset({torch.Tensor.cuda, torch.Tensor.to, torch.Tensor.type})
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
-            kwargs["device"] = "cpu"
+        if kwargs:
+            if _is_cuda_device(kwargs.get("device")):
+                kwargs = {**kwargs, "device": "cpu"}
+        else:
+            kwargs = {}
+        if func not in self._METHODS:
+            return func(*args, **kwargs)
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.to:
             # Positional device of .to(); other methods' positional ints are sizes (new_empty(0)).
             args = tuple("cpu" if _is_cuda_device(a) else a for a in args)
-        if func is torch.Tensor.type:
-            if len(args) == 1 and not kwargs:
-                name = func(*args)
-                return _CUDA_TYPE_NAMES.get(name, name)
-            if len(args) > 1 and isinstance(args[1], str):
-                args = (args[0], _CPU_TYPE_NAMES.get(args[1], args[1]), *args[2:])
+        elif len(args) == 1 and not kwargs:  # Tensor.type(): the type name
+            name = func(*args)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        elif len(args) > 1 and isinstance(args[1], str):  # Tensor.type(name): a cast
+            args = (args[0], _CPU_TYPE_NAMES.get(args[1], args[1]), *args[2:])
         return func(*args, **kwargs)
 
 
@@ -175,6 +194,48 @@ def _patch(owner: object, name: str, value: Any) -> None:
     setattr(owner, name, value)
 
 
+def without_device_rewriting(function):
+    """``function`` run with the mode of (1) suspended, for code that creates no CUDA tensors.
+
+    A no-op on the GPU path (the mode is never installed) and when another mode was pushed on top
+    of ours (e.g. by a test): that one stays in charge.
+    """
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        if _ACTIVE is None or _get_current_function_mode() is not _ACTIVE:
+            return function(*args, **kwargs)
+        with _pop_mode_temporarily():
+            return function(*args, **kwargs)
+
+    return run
+
+
+def _with_device_rewriting(function):
+    """``function`` run with the mode of (1) back in force, inside a ``without_device_rewriting`` region."""
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        if _ACTIVE is None or _get_current_function_mode() is _ACTIVE:
+            return function(*args, **kwargs)
+        with _ACTIVE:
+            return function(*args, **kwargs)
+
+    return run
+
+
+def _model_compute_outside_mode() -> None:
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.models.gpt import gpt_model
+    from megatron.core.pipeline_parallel import schedules
+
+    _patch(gpt_model.GPTModel, "forward", without_device_rewriting(gpt_model.GPTModel.forward))
+    _patch(schedules, "backward_step", without_device_rewriting(schedules.backward_step))
+    # The unfused softmax (dropout in training, non-SDPA attention) builds its causal masks on "cuda".
+    softmax = fused_softmax.FusedScaleMaskSoftmax
+    _patch(softmax, "forward_torch_softmax", _with_device_rewriting(softmax.forward_torch_softmax))
+
+
 def _returning(value: Any):
     """A fresh stand-in function returning ``value``: one object per replaced name, since dynamo's
     rule table refuses one function object under two torch.cuda names."""
@@ -241,6 +302,7 @@ def activate() -> bool:
     _patch(megatron_random, "_set_cuda_rng_state", lambda state, *_a, **_k: torch.set_rng_state(state))
     _allow_sequence_parallel_torch_norm()
     _fast_half_precision_products()
+    _model_compute_outside_mode()
     from torch import _dynamo
 
     _patch(_dynamo.config, "disable", True)

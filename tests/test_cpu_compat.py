@@ -56,7 +56,16 @@ assert torch.ones(1).type("torch.cuda.HalfTensor").dtype == torch.float16
 a, b = torch.randn(32, 64).bfloat16(), torch.randn(64, 48).bfloat16()
 assert torch.equal(a @ b, torch.matmul.__wrapped__(a, b)) and (a @ b).dtype == torch.bfloat16
 assert torch.nn.functional.linear(a, b.t()).dtype == torch.bfloat16
+# The model's forward pass and the backward step run without the mode (no per-call dispatch); the
+# unfused softmax, which builds its masks on "cuda", has it back.
+from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+from megatron.core.models.gpt.gpt_model import GPTModel
+stack_depth = lambda: torch._C._len_torch_function_stack()
+assert stack_depth() == 1 and cpu_compat.without_device_rewriting(stack_depth)() == 0
+assert cpu_compat.without_device_rewriting(cpu_compat._with_device_rewriting(stack_depth))() == 1
+assert GPTModel.forward.__wrapped__ is not None and FusedScaleMaskSoftmax.forward_torch_softmax.__wrapped__ is not None
 cpu_compat.deactivate()
+assert not hasattr(GPTModel.forward, "__wrapped__") and not hasattr(FusedScaleMaskSoftmax.forward_torch_softmax, "__wrapped__")
 assert torch.matmul is original_matmul and torch.Tensor.__matmul__ is original_tensor_matmul
 assert not cpu_compat.is_active()
 assert torch._C._len_torch_function_stack() == 0
@@ -71,6 +80,33 @@ def test_adaptation_maps_cuda_to_cpu_and_undoes_cleanly():
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "CPU-PATH-OK" in result.stdout
+
+
+_GLOO_THREADS_PROBE = r"""
+from pathlib import Path
+from parallel.layout import ParallelLayout
+from parallel.state import initialize_model_parallel
+initialize_model_parallel(ParallelLayout())
+import torch.distributed as dist
+from megatron.core import parallel_state
+groups = [parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group(),
+          parallel_state.get_pipeline_model_parallel_group(), parallel_state.get_model_parallel_group()]
+for group in groups:
+    dist.barrier(group=group)
+names = [p.read_text().strip() for p in Path("/proc/self/task").glob("*/comm")]
+print("IO-THREADS", names.count("gloo_tcp_loop"), len(set(map(id, groups))))
+"""
+
+
+def test_gloo_groups_share_one_io_thread():
+    """Each gloo device polls every 10 ms; megatron's ~20 groups must not bring ~20 such threads."""
+    result = subprocess.run(
+        [sys.executable, "-c", _GLOO_THREADS_PROBE], cwd=REPO_ROOT, capture_output=True, text=True, timeout=180
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("IO-THREADS"))
+    threads, distinct_groups = map(int, line.split()[1:])
+    assert distinct_groups == 4 and threads == 1, line
 
 
 @pytest.mark.dist

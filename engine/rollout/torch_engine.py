@@ -27,6 +27,7 @@ from engine.rollout.base import (
     check_pause_mode,
     validate_prompts,
 )
+from parallel.cpu_compat import without_device_rewriting
 
 
 def model_eos_token_ids(model_config: transformers.PretrainedConfig, generation_config: transformers.GenerationConfig | None) -> set[int]:
@@ -196,7 +197,8 @@ class TorchRolloutEngine(RolloutEngine):
         if not params.is_greedy:
             # Temperature and top-k/top-p live in the processor; HF's own warpers stay off.
             generation_config.update(temperature=1.0, top_k=0, top_p=1.0)
-        output = self.model.generate(
+        # HF generation makes thousands of small torch calls and needs no CUDA->CPU rewriting.
+        output = without_device_rewriting(self.model.generate)(
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
             generation_config=generation_config,
