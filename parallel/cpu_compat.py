@@ -28,8 +28,9 @@ without a GPU we run the real megatron-core code on CPU tensors by:
    ~16 s on CPU, and dynamo's tracing rules reject the stand-ins of (2) ("Duplicate torch object");
 7. the mode of (1) suspended inside the model's forward pass (``GPTModel.forward``) and the
    schedules' backward step: they create no CUDA tensors (their device queries go to the stand-ins
-   of (2)), and each of their ~300 torch calls per layer would otherwise pay the mode's Python
-   dispatch (~1.5 us a call, ~4 us before its fast path; a tiny model's step makes ~25k such calls).
+   of (2)), and each of their torch calls would otherwise pay the mode's Python dispatch (measured
+   +1.7 us a call, +4.3 us before its fast path; on the demo model this took ~12k of the ~26k calls a
+   PPO step made through the mode, ~70 per layer per forward or backward pass).
    The few places of the forward pass that do create CUDA tensors run with the mode again
    (:func:`_with_device_rewriting`: the unfused softmax's causal masks); a new one fails loudly
    ("Found no NVIDIA driver") and belongs in ``_model_compute_outside_mode`` (megatron's MoE

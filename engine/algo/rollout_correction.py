@@ -23,8 +23,9 @@ in two independent ways (``algorithm.rollout_correction``, named as in verl):
 
 The weight multiplies PPO's per-token loss ``max(-A rho_theta, -A clip(rho_theta))`` (dual clip
 included); since w > 0 that equals the same loss with the advantage ``w A``, which is how the
-actor receives it (``engine.trainer.ppo_trainer``). Log-ratios (per token, and summed per sequence) are clamped to +-``LOG_RATIO_BOUND`` before
-exponentiating, so a token the engine found nearly impossible gives a large finite ratio, never inf.
+actor receives it (``engine.trainer.ppo_trainer``). Log-ratios (per token, and summed per
+sequence) are clamped to +-``LOG_RATIO_BOUND`` before exponentiating, so a token the engine found
+nearly impossible gives a large finite ratio, never inf.
 """
 from __future__ import annotations
 
