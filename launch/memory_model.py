@@ -159,6 +159,8 @@ def layer_parameters(architecture: ModelArchitecture, tensor_model_parallel_size
         attention += qkv_rows
     mlp = h * 2 * architecture.ffn_hidden_size + architecture.ffn_hidden_size * h  # SwiGLU fc1 + fc2
     norms = 2 * h  # RMSNorm weights, replicated on every TP rank
+    if architecture.qk_layernorm:
+        norms += 2 * architecture.kv_channels
     return (attention + mlp) // t + norms
 
 
@@ -194,13 +196,9 @@ def full_model_parameters(architecture: ModelArchitecture) -> int:
     """Parameters of the whole (unsplit, unpadded) LM: what the generation engine holds in total."""
     h = architecture.hidden_size
     embedding = architecture.vocab_size * h
-    heads, groups, d = architecture.num_attention_heads, architecture.num_query_groups, architecture.kv_channels
-    qkv_rows = (heads + 2 * groups) * d
-    layer = h * qkv_rows + heads * d * h + 3 * h * architecture.ffn_hidden_size + 2 * h
-    if architecture.add_qkv_bias:
-        layer += qkv_rows
     output = 0 if architecture.tie_word_embeddings else embedding
-    return embedding + architecture.num_layers * layer + h + output
+    # At TP 1 megatron pads no query group, so one layer there is the unsplit HF layer.
+    return embedding + architecture.num_layers * layer_parameters(architecture, 1) + h + output
 
 
 def pipeline_layers_in_flight(

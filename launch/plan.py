@@ -66,6 +66,12 @@ _QWEN25_7B = dict(_QWEN25_72B, hidden_size=3584, intermediate_size=18944, num_hi
                   num_attention_heads=28, num_key_value_heads=4)
 _QWEN25_05B = dict(_QWEN25_72B, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                    num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+_QWEN3_8B = dict(
+    model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    max_position_embeddings=40960, tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
+    use_sliding_window=False,
+)
 _SMOLLM2_135M = dict(
     model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
     num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, rms_norm_eps=1e-5,
@@ -87,6 +93,8 @@ KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen2.5-7b-instruct": _QWEN25_7B,
     "qwen2.5-0.5b": _QWEN25_05B,
     "qwen2.5-0.5b-instruct": _QWEN25_05B,
+    "qwen3-8b": _QWEN3_8B,
+    "qwen3-8b-base": _QWEN3_8B,
     "smollm2-135m-instruct": _SMOLLM2_135M,
 }
 

@@ -127,6 +127,7 @@ def tiny_model_config(architecture, tensor_parallel: int, pipeline_stages: int, 
         "model_type": architecture.model_type, "vocab_size": vocab_size, "hidden_size": hidden,
         "intermediate_size": 2 * hidden, "num_hidden_layers": max(2, pipeline_stages),
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "max_position_embeddings": max_positions,
+        "head_dim": HEAD_DIM,  # explicit: Qwen3's config would default to 128
         "rms_norm_eps": architecture.layernorm_epsilon, "rope_parameters": rope,
         "tie_word_embeddings": architecture.tie_word_embeddings, "hidden_act": "silu", "initializer_range": 0.02,
     }

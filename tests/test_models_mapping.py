@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.models.checkpoint import CheckpointError, SafetensorsCheckpoint
@@ -117,8 +117,27 @@ def test_mapping_names_tied_untied_critic_and_te():
     te = {e.megatron_name for e in weight_mappings(architecture_from_hf(small_config()), transformer_engine=True)}
     assert "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight" in te
     assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in te
+    assert not any("q_layernorm" in e.megatron_name for e in untied)  # Qwen2 has no q/k norms
     assert global_megatron_name("decoder.layers.0.mlp.linear_fc1.weight", 3) == "decoder.layers.3.mlp.linear_fc1.weight"
     assert global_megatron_name("embedding.word_embeddings.weight", 3) == "embedding.word_embeddings.weight"
+
+
+def test_qwen3_head_dim_is_decoupled_and_q_k_norms_are_mapped():
+    """Qwen3: head_dim 16 with hidden 48 / 6 heads (= 8), per-head q/k RMSNorm, no bias anywhere."""
+    config = Qwen3Config(vocab_size=100, hidden_size=48, intermediate_size=36, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=3, head_dim=16)
+    architecture = architecture_from_hf(config)
+    assert (architecture.kv_channels, architecture.qk_layernorm, architecture.add_qkv_bias) == (16, True, False)
+    entries = {e.megatron_name: e for e in weight_mappings(architecture)}
+    for part in ("q", "k"):
+        norm = entries[f"decoder.layers.1.self_attention.{part}_layernorm.weight"]
+        assert norm.hf_names == (f"model.layers.1.self_attn.{part}_norm.weight",)
+        assert norm.hf_shapes == ((16,),) and norm.tensor_parallel_dim is None
+    assert entries["decoder.layers.0.self_attention.linear_proj.weight"].hf_shapes == ((48, 6 * 16),)
+    assert "decoder.layers.0.self_attention.linear_qkv.bias" not in entries
+    # The same names with the TE spec: megatron keeps q/k norms as their own modules there.
+    te = {e.megatron_name for e in weight_mappings(architecture, transformer_engine=True)}
+    assert "decoder.layers.1.self_attention.k_layernorm.weight" in te
 
 
 @pytest.mark.parametrize("rope", [
@@ -151,6 +170,8 @@ def test_legacy_rope_keys_are_read():
     (LlamaConfig(attention_bias=True), "attention_bias"),
     (LlamaConfig(hidden_act="gelu"), "hidden_act"),
     (Qwen2Config(use_sliding_window=True), "use_sliding_window"),
+    (Qwen3Config(use_sliding_window=True), "use_sliding_window"),
+    (Qwen3Config(attention_bias=True), "attention_bias"),
 ])
 def test_unsupported_configs_fail_early_naming_the_key(config, message):
     with pytest.raises(UnsupportedModelError, match=message):

@@ -1,4 +1,4 @@
-"""Tiny random Llama and Qwen2 checkpoints in Megatron at TP1, TP2, PP2, TP2xPP2, PP2xVPP2 and
+"""Tiny random Llama, Qwen2 and Qwen3 checkpoints in Megatron at TP1, TP2, PP2, TP2xPP2, PP2xVPP2 and
 TP2 with sequence parallelism (gloo).
 
 One 4-rank torchrun launch runs every layout of both families (tests/dist_workers/models_parity.py)
@@ -34,8 +34,10 @@ def away_from_init(model):
 
 def save_tiny_checkpoints(root):
     """Llama: untied, GQA, llama3 rope scaling that acts at these lengths (original context 64).
-    Qwen2: tied embeddings, QKV bias. Vocab 100 is padded by Megatron at every TP size."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    Qwen2: tied embeddings, QKV bias. Qwen3: per-head q/k RMSNorm, head_dim 32 != hidden / heads = 16.
+    Vocab 100 is padded by Megatron at every TP size."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     common = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -44,6 +46,8 @@ def save_tiny_checkpoints(root):
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
         "qwen2": (Qwen2ForCausalLM, Qwen2Config(**common, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                                rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+        "qwen3": (Qwen3ForCausalLM, Qwen3Config(**common, head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
                                                 rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
     }
     torch.manual_seed(0)
@@ -64,7 +68,7 @@ def test_hf_logits_round_trip_and_critic_at_every_layout(tmp_path):
         "--work-dir", str(tmp_path), "--out", str(out),
     ])
     results = json.loads(out.read_text())
-    for family in ("llama", "qwen2"):
+    for family in ("llama", "qwen2", "qwen3"):
         for layout in LAYOUTS:
             measured = results[family][layout]
             assert measured["max_abs_logit_diff"] <= 1e-4, (family, layout, measured)

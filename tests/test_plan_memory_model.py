@@ -70,6 +70,7 @@ def test_pipeline_in_flight_matches_korthikanti_and_megatron_warmup():
     ("qwen2.5-72b", 72_706_203_648),
     ("qwen2.5-7b", 7_615_616_512),
     ("qwen2.5-0.5b", 494_032_768),
+    ("qwen3-8b", 8_190_735_360),  # safetensors index total_size 16_381_470_720 bytes in bf16
 ])
 def test_parameter_counts_match_published_checkpoints(name, published):
     assert full_model_parameters(known(name)) == published

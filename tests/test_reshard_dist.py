@@ -33,6 +33,25 @@ def tiny_llama_dir(tmp_path_factory):
     return directory
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3_dir(tmp_path_factory):
+    """A random tiny Qwen3: per-head q/k RMSNorm (weights away from 1), head_dim 32 != hidden / heads."""
+    directory = tmp_path_factory.mktemp("tiny_qwen3")
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=128, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    model = transformers.Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(directory)
+    return directory
+
+
 def run_cases(directory, tmp_path, nproc: int, cases: list[str], engine: str = "torch") -> list[dict]:
     out = tmp_path / "records.json"
     run_torchrun("reshard_sync.py", nproc,
@@ -59,11 +78,19 @@ def test_reshard_on_8_ranks(tiny_llama_dir, tmp_path):
     assert all(r["prompts_checked"] > 0 for r in records)
 
 
+def test_qwen3_reshard_on_4_ranks(tiny_qwen3_dir, tmp_path):
+    # The q/k norms are replicated tensors the targets must receive too; (pp1,tp4) pads query groups.
+    records = run_cases(tiny_qwen3_dir, tmp_path, 4, ["2,2,0,1", "1,4,0,2"])
+    assert all(r["prompts_checked"] > 0 for r in records)
+
+
 @pytest.mark.sglang
 @pytest.mark.slow
 @requires_sglang
-def test_reshard_into_real_sglang_servers(tiny_llama_dir, tmp_path):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_reshard_into_real_sglang_servers(family, request, tmp_path):
     # (pp1,tp2)->tp_gen1: each rank all-gathers the other's TP shards and pushes them bucket by bucket
     # into its own SGLang server (2 servers); greedy generation equals HF with the exported weights.
-    (record,) = run_cases(tiny_llama_dir, tmp_path, 2, ["1,2,0,1"], engine="sglang")
+    directory = request.getfixturevalue(f"tiny_{family}_dir")
+    (record,) = run_cases(directory, tmp_path, 2, ["1,2,0,1"], engine="sglang")
     assert record["prompts_checked"] > 0 and record["max_log_prob_difference"] < 1e-4

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from engine.models.gpt import layer_offset, use_transformer_engine
-from engine.models.hf_config import ModelArchitecture, architecture_from_hf
+from engine.models.hf_config import MODEL_CLASS_PREFIXES, ModelArchitecture, architecture_from_hf
 from engine.models.weight_mapping import (
     ParamMapping,
     global_megatron_name,
@@ -43,7 +43,6 @@ NON_WEIGHT_FILES = (
     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
     "generation_config.json",
 )
-_FAMILY_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2"}
 
 
 class CheckpointError(ValueError):
@@ -129,7 +128,7 @@ def _named_global_parameters(model_chunks: Sequence[torch.nn.Module], entries: d
 
 def _check_same_architecture(model: ModelArchitecture, checkpoint: ModelArchitecture, hf_dir: Path) -> None:
     fields = ("model_type", "vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
-              "num_query_groups", "kv_channels", "tie_word_embeddings", "add_qkv_bias")
+              "num_query_groups", "kv_channels", "tie_word_embeddings", "add_qkv_bias", "qk_layernorm")
     different = [f"{f}: model {getattr(model, f)} vs checkpoint {getattr(checkpoint, f)}"
                  for f in fields if getattr(model, f) != getattr(checkpoint, f)]
     if different:
@@ -244,7 +243,7 @@ def export_hf_state_dict(
 def hf_config_for_export(architecture: ModelArchitecture, *, value_head: bool):
     """The HF config to save beside exported weights (a critic saves as *ForTokenClassification)."""
     config = copy.deepcopy(architecture.source_config)
-    prefix = _FAMILY_CLASS_PREFIX[architecture.model_type]
+    prefix = MODEL_CLASS_PREFIXES[architecture.model_type]
     if value_head:
         config.num_labels = 1
         config.architectures = [f"{prefix}ForTokenClassification"]

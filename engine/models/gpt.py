@@ -1,4 +1,4 @@
-"""megatron-core GPTModel chunks for an HF Llama / Qwen2 config, as actor/reference or critic.
+"""megatron-core GPTModel chunks for an HF Llama / Qwen2 / Qwen3 config, as actor/reference or critic.
 
 ``build_model_chunks`` returns one GPTModel per virtual pipeline stage held by this rank (a list of
 one without virtual pipelining), after ``parallel.state.initialize_model_parallel(layout)``. Each
@@ -40,17 +40,17 @@ def recompute_settings(gradient_checkpointing: bool) -> dict[str, Any]:
     return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
-def layer_spec(transformer_engine: bool):
+def layer_spec(transformer_engine: bool, architecture: ModelArchitecture):
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
     if transformer_engine:
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=architecture.qk_layernorm)
     from engine.models.attention import FusedLocalAttention
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=architecture.qk_layernorm)
     spec.submodules.self_attention.submodules.core_attention = FusedLocalAttention
     return spec
 
@@ -146,7 +146,7 @@ def build_model_chunks(
         architecture, layout, params_dtype, use_transformer_engine=transformer_engine,
         perform_initialization=initialize_weights, **transformer_config_overrides,
     )
-    spec = layer_spec(transformer_engine)
+    spec = layer_spec(transformer_engine, architecture)
     inverse_frequencies = rope_inverse_frequencies(architecture)
     chunks: list[torch.nn.Module] = []
     for vp_stage in range(layout.virtual_pipeline_model_parallel_size or 1):

@@ -1,7 +1,7 @@
-"""From a Hugging Face config (Llama, Qwen2) to megatron-core's TransformerConfig.
+"""From a Hugging Face config (Llama, Qwen2, Qwen3) to megatron-core's TransformerConfig.
 
 ``ModelArchitecture`` is the single, validated reading of the HF config: model dimensions, RoPE,
-biases, tied embeddings and the TP vocab padding. The weight mapping, the model builder and the
+biases, per-head q/k norms, tied embeddings and the TP vocab padding. The weight mapping, the model builder and the
 checkpoint code all read it; nothing else parses HF configs.
 """
 
@@ -16,7 +16,9 @@ import torch
 
 from parallel.layout import ParallelLayout
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+# HF model_type -> the prefix of its transformers classes (``Qwen3ForCausalLM``, ...).
+MODEL_CLASS_PREFIXES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+SUPPORTED_MODEL_TYPES = tuple(MODEL_CLASS_PREFIXES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -58,6 +60,8 @@ class ModelArchitecture:
     rope_scaling: RopeScaling | None
     tie_word_embeddings: bool
     add_qkv_bias: bool
+    # Qwen3: RMSNorm over head_dim of every q and k head before RoPE (megatron's qk_layernorm).
+    qk_layernorm: bool
     max_position_embeddings: int
     init_method_std: float
     attention_dropout: float
@@ -152,7 +156,7 @@ def _rope_scaling(params: dict) -> RopeScaling | None:
 
 
 def architecture_from_hf(hf_config_or_dir: Any, *, make_vocab_size_divisible_by: int = 128) -> ModelArchitecture:
-    """Read and validate a Llama / Qwen2 HF config (object or model folder)."""
+    """Read and validate a Llama / Qwen2 / Qwen3 HF config (object or model folder)."""
     hf_config = load_hf_config(hf_config_or_dir)
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -166,10 +170,14 @@ def architecture_from_hf(hf_config_or_dir: Any, *, make_vocab_size_divisible_by:
             if getattr(hf_config, key, False):
                 raise UnsupportedModelError(f"llama with {key}=True is not supported")
         add_qkv_bias = False
-    else:  # qwen2: q/k/v projections always carry a bias, o_proj and the MLP none
+    else:
         if getattr(hf_config, "use_sliding_window", False):
-            raise UnsupportedModelError("qwen2 with use_sliding_window=True is not supported")
-        add_qkv_bias = True
+            raise UnsupportedModelError(f"{model_type} with use_sliding_window=True is not supported")
+        if model_type == "qwen3" and getattr(hf_config, "attention_bias", False):
+            # Qwen3's attention_bias also puts a bias on o_proj, which our layer spec does not have.
+            raise UnsupportedModelError("qwen3 with attention_bias=True is not supported")
+        # qwen2: q/k/v projections always carry a bias, o_proj and the MLP none; qwen3: no bias
+        add_qkv_bias = model_type == "qwen2"
     num_heads = hf_config.num_attention_heads
     num_groups = getattr(hf_config, "num_key_value_heads", None) or num_heads
     if num_heads % num_groups:
@@ -191,6 +199,7 @@ def architecture_from_hf(hf_config_or_dir: Any, *, make_vocab_size_divisible_by:
         rope_scaling=_rope_scaling(rope),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         add_qkv_bias=add_qkv_bias,
+        qk_layernorm=model_type == "qwen3",
         max_position_embeddings=hf_config.max_position_embeddings,
         init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
         attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
@@ -232,7 +241,7 @@ def transformer_config_from_hf(
     perform_initialization: bool = True,
     **overrides: Any,
 ):
-    """megatron-core ``TransformerConfig`` for an HF Llama / Qwen2 config split as ``layout``.
+    """megatron-core ``TransformerConfig`` for an HF Llama / Qwen2 / Qwen3 config split as ``layout``.
 
     ``overrides`` are passed through to TransformerConfig (e.g. ``recompute_granularity``).
     """
@@ -263,6 +272,7 @@ def transformer_config_from_hf(
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=architecture.add_qkv_bias,
+        qk_layernorm=architecture.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=architecture.attention_dropout,
         init_method_std=architecture.init_method_std,

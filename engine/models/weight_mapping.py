@@ -107,6 +107,9 @@ def weight_mappings(
                 (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
                 ((q_rows,), (kv_rows,), (kv_rows,)), 0, FusedKind.QKV, Padding.HEADS,
             ))
+        if a.qk_layernorm:  # one [head_dim] weight shared by all heads, so replicated on TP ranks
+            entries += [ParamMapping(m + f"self_attention.{part}_layernorm.weight", (attn + f"{part}_norm.weight",),
+                                     ((head_dim,),), None) for part in ("q", "k")]
         entries.append(ParamMapping(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",),
                                     ((hidden, q_rows),), 1, padding=Padding.HEADS))
         entries.append(ParamMapping(m + mlp_norm, (h + "post_attention_layernorm.weight",), ((hidden,),), None))
