@@ -108,7 +108,13 @@ def resolve_architecture(model_path: str, path_key: str) -> tuple[ModelArchitect
     folder = Path(model_path)
     try:
         if (folder / "config.json").is_file():
-            return architecture_from_hf(folder), str(folder / "config.json")
+            architecture, source = architecture_from_hf(folder), str(folder / "config.json")
+            if architecture.moe is not None:
+                raise PlanError(
+                    f"{path_key}={model_path}: {architecture.model_type} is a Mixture-of-Experts model, and "
+                    "launch.plan does not model MoE memory yet (experts per expert-parallel rank, token dispatch)"
+                )
+            return architecture, source
         known = KNOWN_ARCHITECTURES.get(folder.name.lower())
         if known is None:
             raise PlanError(

@@ -35,7 +35,16 @@ without a GPU we run the real megatron-core code on CPU tensors by:
    (:func:`_with_device_rewriting`: the unfused softmax's causal masks); a new one fails loudly
    ("Found no NVIDIA driver") and belongs in ``_model_compute_outside_mode`` (megatron's MoE
    aux-loss tracker will, when MoE runs here). Code that is not megatron's and runs many small
-   ops (the embedded engine's HF generation) opts out with :func:`without_device_rewriting`.
+   ops (the embedded engine's HF generation) opts out with :func:`without_device_rewriting`;
+8. MoE's all-to-all token dispatcher (the GPU default, kept here): it copies its split sizes to
+   the host on a side CUDA stream, as numpy arrays (``_maybe_dtoh_and_synchronize``). On CPU the
+   sizes are already host tensors, and megatron's copy skips them, so ``all_to_all_single`` would
+   get tensors for split sizes and refuse them; here they only become numpy arrays, with no stream.
+   With expert tensor parallelism it gathers and reduce-scatters tokens in uneven pieces over the
+   expert TP group (a list ``all_gather`` / ``reduce_scatter``), which gloo does not have: the
+   gather pads every piece to the largest and cuts the padding off, the reduce-scatter all-reduces
+   the whole tensor and keeps this rank's piece. (The allgather dispatcher needs no bridge but
+   aborts gloo when the ranks' token counts differ, which packed micro-batches make normal.)
 
 ``activate()`` does nothing when CUDA is available: the GPU path runs megatron-core untouched
 (tests/test_cpu_compat.py proves it). Nothing else in Trident may special-case CPU for
@@ -237,6 +246,46 @@ def _model_compute_outside_mode() -> None:
     _patch(softmax, "forward_torch_softmax", _with_device_rewriting(softmax.forward_torch_softmax))
 
 
+def _moe_alltoall_without_streams() -> None:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    def splits_to_host(self, point: str, tokens_per_expert: torch.Tensor | None = None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name)
+                if torch.is_tensor(value):
+                    setattr(self, name, value.numpy())
+        return tokens_per_expert
+
+    _patch(MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize", splits_to_host)
+    # Not None, so that the constructor does not create its CUDA side stream.
+    _patch(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", "no side stream on CPU")
+
+    from megatron.core.tensor_parallel import mappings
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(size) for size in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(pieces, padded, group=group)
+        return torch.cat([piece[:size] for piece, size in zip(pieces, sizes)])
+
+    def reduce_scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.clone(memory_format=torch.contiguous_format)
+        torch.distributed.all_reduce(total, group=group)
+        return total.split([int(size) for size in input_split_sizes])[group.rank()].contiguous()
+
+    _patch(mappings, "_gather_along_first_dim", gather_uneven)
+    _patch(mappings, "_reduce_scatter_along_first_dim", reduce_scatter_uneven)
+
+
 def _returning(value: Any):
     """A fresh stand-in function returning ``value``: one object per replaced name, since dynamo's
     rule table refuses one function object under two torch.cuda names."""
@@ -304,6 +353,7 @@ def activate() -> bool:
     _allow_sequence_parallel_torch_norm()
     _fast_half_precision_products()
     _model_compute_outside_mode()
+    _moe_alltoall_without_streams()
     from torch import _dynamo
 
     _patch(_dynamo.config, "disable", True)

@@ -87,6 +87,21 @@ def test_unsupported_architecture(demo_model, tmp_path, monkeypatch, capsys):
     assert f"actor_rollout_ref.model.path={folder}: model_type 'gpt2' is not supported (supported: llama" in err
 
 
+def test_moe_model_at_tensor_parallel_without_sequence_parallel(demo_model, tmp_path, monkeypatch, capsys):
+    from engine.models.char_tokenizer import build_char_tokenizer
+    from launch.rehearse import write_tiny_model
+
+    folder = write_tiny_model(dict(
+        model_type="qwen3_moe", vocab_size=len(build_char_tokenizer()), hidden_size=32, intermediate_size=64,
+        moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=128), tmp_path / "moe")
+    capsys.readouterr()  # save_pretrained's progress bar
+    err = trident_error(tmp_path, monkeypatch, capsys, [
+        f"actor_rollout_ref.model.path={folder}", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.sequence_parallel=false"])
+    assert "actor_rollout_ref.actor.megatron.sequence_parallel=false: megatron-core trains the MoE layers" in err
+
+
 def test_critic_model_folder_is_checked_too(demo_model, tmp_path, monkeypatch, capsys):
     err = trident_error(tmp_path, monkeypatch, capsys, [f"critic.model.path={tmp_path}/nope"])
     assert f"critic.model.path={tmp_path}/nope: no such folder" in err

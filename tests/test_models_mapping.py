@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.models.checkpoint import CheckpointError, SafetensorsCheckpoint
@@ -140,6 +140,43 @@ def test_qwen3_head_dim_is_decoupled_and_q_k_norms_are_mapped():
     assert "decoder.layers.1.self_attention.k_layernorm.weight" in te
 
 
+def test_moe_configs_are_read_as_transformers_routes():
+    """Qwen3-MoE: MoE on every decoder_sparse_step-th layer not in mlp_only_layers, renormalised top-k
+    only with norm_topk_prob; Mixtral: every layer, always renormalised; megatron's router keys follow."""
+    from engine.models.hf_config import transformer_config_from_hf
+    from parallel.layout import ParallelLayout
+
+    qwen = architecture_from_hf(Qwen3MoeConfig(num_hidden_layers=6, num_experts=8, num_experts_per_tok=2,
+                                               decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=False))
+    assert qwen.moe.layers == (1, 5) and not qwen.moe.renormalize and qwen.qk_layernorm
+    config = transformer_config_from_hf(qwen, ParallelLayout(expert_model_parallel_size=2))
+    assert config.moe_layer_freq == [0, 1, 0, 0, 0, 1] and config.moe_router_pre_softmax
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (8, 2, 768)
+    mixtral = architecture_from_hf(MixtralConfig(num_hidden_layers=2, intermediate_size=64))
+    assert mixtral.moe.layers == (0, 1) and mixtral.moe.renormalize and mixtral.moe.ffn_hidden_size == 64
+    names = {e.megatron_name: e for e in weight_mappings(mixtral)}
+    fc1 = names["decoder.layers.1.mlp.experts.local_experts.7.linear_fc1.weight"]
+    assert fc1.expert and fc1.hf_names == ("model.layers.1.block_sparse_moe.experts.7.w1.weight",
+                                           "model.layers.1.block_sparse_moe.experts.7.w3.weight")
+    assert names["decoder.layers.0.mlp.router.weight"].hf_names == ("model.layers.0.block_sparse_moe.gate.weight",)
+    te = {e.megatron_name for e in weight_mappings(mixtral, transformer_engine=True)}
+    assert {"decoder.layers.0.mlp.experts.linear_fc2.weight7", "decoder.layers.0.pre_mlp_layernorm.weight"} <= te
+    # An expert-parallel rank's local expert 1 with experts 4.. is global expert 5, in both specs.
+    assert global_megatron_name("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight", 2, 4) == \
+        "decoder.layers.2.mlp.experts.local_experts.5.linear_fc1.weight"
+    assert global_megatron_name("decoder.layers.0.mlp.experts.linear_fc2.weight1", 0, 4) == \
+        "decoder.layers.0.mlp.experts.linear_fc2.weight5"
+
+
+def test_expert_parallel_layouts_are_checked():
+    from parallel.layout import ParallelLayout
+
+    with pytest.raises(UnsupportedModelError, match="needs a Mixture-of-Experts model"):
+        architecture_from_hf(small_config()).validate_layout(ParallelLayout(expert_model_parallel_size=2))
+    with pytest.raises(UnsupportedModelError, match="8 experts are not divisible by expert_model_parallel_size=3"):
+        architecture_from_hf(MixtralConfig()).validate_layout(ParallelLayout(expert_model_parallel_size=3))
+
+
 @pytest.mark.parametrize("rope", [
     {"rope_type": "default", "rope_theta": 10000.0},
     {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
@@ -172,6 +209,9 @@ def test_legacy_rope_keys_are_read():
     (Qwen2Config(use_sliding_window=True), "use_sliding_window"),
     (Qwen3Config(use_sliding_window=True), "use_sliding_window"),
     (Qwen3Config(attention_bias=True), "attention_bias"),
+    (MixtralConfig(sliding_window=4096), "sliding_window"),
+    (MixtralConfig(router_jitter_noise=0.1), "router_jitter_noise"),
+    (MixtralConfig(num_experts_per_tok=1), "num_experts_per_tok=1 with renormalised"),
 ])
 def test_unsupported_configs_fail_early_naming_the_key(config, message):
     with pytest.raises(UnsupportedModelError, match=message):

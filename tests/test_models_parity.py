@@ -1,7 +1,7 @@
 """Tiny random Llama, Qwen2 and Qwen3 checkpoints in Megatron at TP1, TP2, PP2, TP2xPP2, PP2xVPP2 and
-TP2 with sequence parallelism (gloo).
+TP2 with sequence parallelism (gloo); tiny Qwen3-MoE and Mixtral also with expert parallelism.
 
-One 4-rank torchrun launch runs every layout of both families (tests/dist_workers/models_parity.py)
+One 4-rank torchrun launch per test runs every layout of its families (tests/dist_workers/models_parity.py)
 against transformers' own forward pass on the same checkpoint.
 """
 
@@ -59,6 +59,46 @@ def save_tiny_checkpoints(root):
     return dirs
 
 
+MOE_LAYOUTS = ["1,1,0", "2,1,0", "1,2,0", "1,1,0,0,2", "2,1,0,0,2", "2,1,0,1,2", "1,2,0,0,2"]
+MOE_CRITIC_LAYOUTS = ["2,1,0,1,2", "1,2,0,0,2"]
+
+
+def save_tiny_moe_checkpoints(root):
+    """Qwen3-MoE: 4 experts, top-2 without renormalisation (norm_topk_prob=False, its default), layer 1
+    dense (mlp_only_layers). Mixtral: 4 experts, top-2 renormalised, untied, every layer MoE."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(vocab_size=100, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=128, num_experts_per_tok=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    configs = {
+        "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(**common, head_dim=32, num_experts=4, moe_intermediate_size=48,
+                                                          intermediate_size=96, mlp_only_layers=[1], norm_topk_prob=False)),
+        "mixtral": (MixtralForCausalLM, MixtralConfig(**common, num_local_experts=4, intermediate_size=48)),
+    }
+    torch.manual_seed(0)
+    dirs = []
+    for name, (model_class, config) in configs.items():
+        model = away_from_init(model_class(config))
+        model.save_pretrained(root / name)
+        dirs.append(root / name)
+    return dirs
+
+
+def check_results(results, families, layouts, critic_layouts):
+    for family in families:
+        for layout in layouts:
+            measured = results[family][layout]
+            assert measured["max_abs_logit_diff"] <= 1e-4, (family, layout, measured)
+            assert measured["round_trip_bit_exact"], (family, layout)
+        first, second = (results[family][f"critic {layout}"] for layout in critic_layouts)
+        assert first["values_shape"] == [4, 12]
+        assert first["max_abs_value_diff_vs_hf_hidden"] <= 1e-4
+        assert first["max_abs_value_diff_vs_hf_token_classification"] <= 1e-4
+        assert first["saved_files"] > 1  # the sharded save path with an index
+        assert second["max_abs_value_diff_vs_first_critic_layout"] <= 1e-4
+
+
 @pytest.mark.dist
 def test_hf_logits_round_trip_and_critic_at_every_layout(tmp_path):
     dirs = save_tiny_checkpoints(tmp_path)
@@ -67,15 +107,21 @@ def test_hf_logits_round_trip_and_critic_at_every_layout(tmp_path):
         "--hf-dirs", *map(str, dirs), "--layouts", *LAYOUTS, "--critic-layouts", *CRITIC_LAYOUTS,
         "--work-dir", str(tmp_path), "--out", str(out),
     ])
+    check_results(json.loads(out.read_text()), ("llama", "qwen2", "qwen3"), LAYOUTS, CRITIC_LAYOUTS)
+
+
+@pytest.mark.dist
+def test_moe_hf_logits_round_trip_and_critic_with_expert_parallelism(tmp_path):
+    """EP2 (experts 0-1 on one rank, 2-3 on the other), EP2 x TP2, EP2 with sequence parallelism, EP2 x PP2."""
+    dirs = save_tiny_moe_checkpoints(tmp_path)
+    out = tmp_path / "results.json"
+    run_torchrun("models_parity.py", 4, [
+        "--hf-dirs", *map(str, dirs), "--layouts", *MOE_LAYOUTS, "--critic-layouts", *MOE_CRITIC_LAYOUTS,
+        "--work-dir", str(tmp_path), "--out", str(out),
+    ])
     results = json.loads(out.read_text())
-    for family in ("llama", "qwen2", "qwen3"):
-        for layout in LAYOUTS:
-            measured = results[family][layout]
-            assert measured["max_abs_logit_diff"] <= 1e-4, (family, layout, measured)
-            assert measured["round_trip_bit_exact"], (family, layout)
-        first, second = (results[family][f"critic {layout}"] for layout in CRITIC_LAYOUTS)
-        assert first["values_shape"] == [4, 12]
-        assert first["max_abs_value_diff_vs_hf_hidden"] <= 1e-4
-        assert first["max_abs_value_diff_vs_hf_token_classification"] <= 1e-4
-        assert first["saved_files"] > 1  # the sharded save path with an index
-        assert second["max_abs_value_diff_vs_first_critic_layout"] <= 1e-4
+    check_results(results, ("qwen3_moe", "mixtral"), MOE_LAYOUTS, MOE_CRITIC_LAYOUTS)
+    for family in ("qwen3_moe", "mixtral"):
+        for layout in MOE_LAYOUTS:
+            expert_parallel = int(layout.split(",")[4]) if layout.count(",") == 4 else 1
+            assert results[family][layout]["local_experts"] == 4 // expert_parallel, (family, layout)

@@ -76,6 +76,16 @@ def test_unknown_architecture_is_a_clear_error(capsys):
     assert status == 2 and "actor_rollout_ref.model.path=/models/Mystery-9B" in err and "config.json" in err
 
 
+def test_moe_models_are_refused_until_the_planner_models_them(tmp_path, capsys):
+    from transformers import Qwen3MoeConfig
+
+    folder = tmp_path / "Qwen3-30B-A3B"
+    Qwen3MoeConfig(num_hidden_layers=4).save_pretrained(folder)
+    status = main(["yaml/qwen2.5-7b_gsm8k.yaml", f"actor_rollout_ref.model.path={folder}"])
+    err = capsys.readouterr().err
+    assert status == 2 and "qwen3_moe is a Mixture-of-Experts model" in err and "actor_rollout_ref.model.path" in err
+
+
 def test_disaggregated_rollout_is_not_estimated(capsys):
     status = main(["yaml/qwen2.5-7b_gsm8k.yaml", "actor_rollout_ref.rollout.mode=disaggregated",
                    "actor_rollout_ref.rollout.num_gpus=2"])

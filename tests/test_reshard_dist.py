@@ -78,6 +78,31 @@ def test_reshard_on_8_ranks(tiny_llama_dir, tmp_path):
     assert all(r["prompts_checked"] > 0 for r in records)
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe_dir(tmp_path_factory):
+    """A random tiny Qwen3-MoE: 4 experts, top-2, layer 1 dense; experts away from their init scale."""
+    directory = tmp_path_factory.mktemp("tiny_qwen3_moe")
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=200, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, mlp_only_layers=[1], num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    model = transformers.Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".experts." in name or name.endswith("mlp.gate.weight"):
+                param.normal_(0, 0.2)
+    model.save_pretrained(directory)
+    return directory
+
+
+def test_moe_reshard_on_4_ranks(tiny_qwen3_moe_dir, tmp_path):
+    # Experts are TP-split like dense MLPs (expert parallelism is not resharded yet): (pp2,tp2)->1, (pp1,tp2)->2.
+    records = run_cases(tiny_qwen3_moe_dir, tmp_path, 4, ["2,2,0,1", "1,2,0,2"])
+    assert all(r["prompts_checked"] > 0 for r in records)
+
+
 def test_qwen3_reshard_on_4_ranks(tiny_qwen3_dir, tmp_path):
     # The q/k norms are replicated tensors the targets must receive too; (pp1,tp4) pads query groups.
     records = run_cases(tiny_qwen3_dir, tmp_path, 4, ["2,2,0,1", "1,4,0,2"])

@@ -53,6 +53,22 @@ def test_architecture_of_a_real_config():
     assert shape.matmul_parameters() + 61 * 576 == 134_515_008
 
 
+def test_moe_counts_the_experts_a_token_runs_through():
+    from transformers import Qwen3MoeConfig
+
+    from engine.models.hf_config import architecture_from_hf
+
+    # Qwen3-30B-A3B: 48 layers, h=2048, 32 heads / 4 groups of 128, 128 experts of f=768, top-8, V=151936.
+    config = Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                            num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                            moe_intermediate_size=768, intermediate_size=6144, tie_word_embeddings=False)
+    shape = DecoderShape.from_architecture(architecture_from_hf(config))
+    per_layer = 2048 * (32 + 8) * 128 + 32 * 128 * 2048 + 8 * 3 * 2048 * 768 + 2048 * 128
+    assert shape.matmul_parameters() == 48 * per_layer + 2048 * 151936
+    # Qwen's model card: 3.3B activated parameters (the matmul ones + the input embedding + norms).
+    assert shape.matmul_parameters() + 2048 * 151936 == pytest.approx(3.3e9, rel=0.02)
+
+
 def test_peak_table_and_mfu():
     assert peak_flops_per_device("NVIDIA H100 80GB HBM3") == 989e12
     assert peak_flops_per_device("NVIDIA H200") == 989e12

@@ -105,7 +105,8 @@ def _check_choices(config: ExperimentConfig) -> None:
 
 _LORA = "LoRA is not built yet; only full fine-tuning (lora_rank=0) runs today"
 _CONTEXT_PARALLEL = "context parallelism is not built yet (the roles do not split sequences over CP ranks); use 1"
-_EXPERT_PARALLEL = "expert parallelism needs a Mixture-of-Experts model, and none is supported yet; use 1"
+_EXPERT_PARALLEL = ("expert parallelism is not built into the PPO job yet (MoE models train with experts split over "
+                    "ranks, but the HybridEngine cannot reshard such experts for generation); use 1")
 # Keys of features that are not built yet: the only value each accepts, and why. Anything else is
 # refused here, never accepted and ignored (tests/test_config_liveness.py holds every other key to
 # a run-time read).

@@ -22,11 +22,10 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from engine.models.gpt import layer_offset, use_transformer_engine
+from engine.models.gpt import named_global_parameters, use_transformer_engine
 from engine.models.hf_config import MODEL_CLASS_PREFIXES, ModelArchitecture, architecture_from_hf
 from engine.models.weight_mapping import (
     ParamMapping,
-    global_megatron_name,
     hf_from_shards,
     mappings_by_megatron_name,
     shard_from_hf,
@@ -118,9 +117,7 @@ def _entries_for(model_chunks: Sequence[torch.nn.Module]) -> dict[str, ParamMapp
 def _named_global_parameters(model_chunks: Sequence[torch.nn.Module], entries: dict[str, ParamMapping]):
     """(global megatron name, entry, parameter) for every parameter of this rank's chunks."""
     for chunk in model_chunks:
-        offset = layer_offset(chunk)
-        for local_name, param in chunk.named_parameters():
-            name = global_megatron_name(local_name, offset)
+        for name, param in named_global_parameters(chunk):
             if name not in entries:
                 raise CheckpointError(f"megatron parameter {name} has no HF mapping (unexpected layer spec?)")
             yield name, entries[name], param
@@ -128,7 +125,7 @@ def _named_global_parameters(model_chunks: Sequence[torch.nn.Module], entries: d
 
 def _check_same_architecture(model: ModelArchitecture, checkpoint: ModelArchitecture, hf_dir: Path) -> None:
     fields = ("model_type", "vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
-              "num_query_groups", "kv_channels", "tie_word_embeddings", "add_qkv_bias", "qk_layernorm")
+              "num_query_groups", "kv_channels", "tie_word_embeddings", "add_qkv_bias", "qk_layernorm", "moe")
     different = [f"{f}: model {getattr(model, f)} vs checkpoint {getattr(checkpoint, f)}"
                  for f in fields if getattr(model, f) != getattr(checkpoint, f)]
     if different:
@@ -148,8 +145,9 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | Path)
     architecture = _chunk_architecture(model_chunks)
     _check_same_architecture(architecture, architecture_from_hf(hf_dir), hf_dir)
     checkpoint = SafetensorsCheckpoint(hf_dir)
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tp = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size())
+    expert_tp = (parallel_state.get_expert_tensor_parallel_rank(),
+                 parallel_state.get_expert_tensor_parallel_world_size())
     missing_optional = []
     for name, entry, param in _named_global_parameters(model_chunks, _entries_for(model_chunks)):
         absent = [hf_name for hf_name in entry.hf_names if hf_name not in checkpoint]
@@ -163,7 +161,7 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | Path)
                 raise CheckpointError(
                     f"{hf_dir}: tensor {hf_name!r} has shape {checkpoint.shape(hf_name)}, config.json implies {expected}"
                 )
-        shard = shard_from_hf(entry, architecture, checkpoint.read, tp_rank, tp_size)
+        shard = shard_from_hf(entry, architecture, checkpoint.read, *(expert_tp if entry.expert else tp))
         if tuple(shard.shape) != tuple(param.shape):  # a mapping bug, not a user error
             raise AssertionError(f"{name}: shard {tuple(shard.shape)} != parameter {tuple(param.shape)}")
         param.copy_(shard)
@@ -174,18 +172,24 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | Path)
 
 @torch.no_grad()
 def _gather_local_hf_tensors(model_chunks, entries) -> dict[str, torch.Tensor]:
-    """HF tensors of this pipeline stage, complete on TP rank 0 of data/context-parallel rank 0."""
-    from megatron.core import parallel_state
+    """HF tensors of this pipeline stage, complete on TP rank 0 of data/context-parallel rank 0.
 
-    if parallel_state.get_data_parallel_rank(with_context_parallel=True) != 0:
-        return {}
+    Expert weights come from expert-data-parallel rank 0 instead: every expert-parallel rank holds
+    other experts, gathered over its expert TP group.
+    """
+    from megatron.core import parallel_state as ps
+
     architecture = _chunk_architecture(model_chunks)
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    groups = {  # expert weight? -> (exports, TP group, TP rank, TP size)
+        False: (ps.get_data_parallel_rank(with_context_parallel=True) == 0, ps.get_tensor_model_parallel_group(),
+                ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()),
+        True: (ps.get_expert_data_parallel_rank() == 0, ps.get_expert_tensor_parallel_group(),
+               ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()),
+    }
     local: dict[str, torch.Tensor] = {}
     for name, entry, param in _named_global_parameters(model_chunks, entries):
-        if not entry.exported:
+        exports, tp_group, tp_rank, tp_size = groups[entry.expert]
+        if not entry.exported or not exports:
             continue
         tensor = param.detach().contiguous()
         if entry.tensor_parallel_dim is None or tp_size == 1:

@@ -40,19 +40,39 @@ def recompute_settings(gradient_checkpointing: bool) -> dict[str, Any]:
     return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
-def layer_spec(transformer_engine: bool, architecture: ModelArchitecture):
+def layer_spec(transformer_engine: bool, config, vp_stage: int | None):
+    """The transformer layers of one model chunk: TE's spec on GPU, megatron's local spec with our
+    fused attention else. MoE models get megatron's block spec (a dense or an MoE layer each)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    if transformer_engine:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=architecture.qk_layernorm)
-    from engine.models.attention import FusedLocalAttention
+    if config.num_moe_experts:
+        _megatron_moe_without_transformer_engine()
+        spec = get_gpt_decoder_block_spec(config, transformer_engine, normalization="RMSNorm", vp_stage=vp_stage)
+        layers = spec.layer_specs
+    elif transformer_engine:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+        layers = [spec]
+    if not transformer_engine:
+        from engine.models.attention import FusedLocalAttention
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=architecture.qk_layernorm)
-    spec.submodules.self_attention.submodules.core_attention = FusedLocalAttention
+        for layer in layers:
+            layer.submodules.self_attention.submodules.core_attention = FusedLocalAttention
     return spec
+
+
+def _megatron_moe_without_transformer_engine() -> None:
+    """megatron-core 0.16's router reads ``moe_utils.te_general_gemm``, which exists only when TE
+    imports (NameError otherwise); None selects its torch matmul."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 class ValueHead(torch.nn.Module):
@@ -146,7 +166,6 @@ def build_model_chunks(
         architecture, layout, params_dtype, use_transformer_engine=transformer_engine,
         perform_initialization=initialize_weights, **transformer_config_overrides,
     )
-    spec = layer_spec(transformer_engine, architecture)
     inverse_frequencies = rope_inverse_frequencies(architecture)
     chunks: list[torch.nn.Module] = []
     for vp_stage in range(layout.virtual_pipeline_model_parallel_size or 1):
@@ -155,7 +174,7 @@ def build_model_chunks(
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
         model = GPTModel(
             config,
-            spec,
+            layer_spec(transformer_engine, config, vp),
             vocab_size=architecture.padded_vocab_size(tp_size),
             max_sequence_length=architecture.max_position_embeddings,
             pre_process=pre_process,
@@ -186,9 +205,8 @@ def _zero_padding(model: torch.nn.Module, architecture: ModelArchitecture, tp_si
     entries = mappings_by_megatron_name(
         architecture, transformer_engine=use_transformer_engine(), value_head=value_head
     )
-    offset = layer_offset(model)
-    for name, param in model.named_parameters():
-        entry = entries.get(global_megatron_name(name, offset))
+    for name, param in named_global_parameters(model):
+        entry = entries.get(name)
         if entry is None or entry.padding is Padding.NONE:
             continue
         # This rank's shard of all-ones HF tensors is 1 on real entries and 0 on padding.
@@ -212,3 +230,19 @@ def layer_offset(model: torch.nn.Module) -> int:
     """Global index of a chunk's first transformer layer (0 for a chunk without layers)."""
     layers = model.decoder.layers
     return layers[0].layer_number - 1 if len(layers) else 0
+
+
+def expert_offset(model: torch.nn.Module) -> int:
+    """Global index of this expert-parallel rank's first expert (0 for a dense model)."""
+    for layer in model.decoder.layers:
+        indices = getattr(layer.mlp, "local_expert_indices", None)
+        if indices:
+            return indices[0]
+    return 0
+
+
+def named_global_parameters(model: torch.nn.Module):
+    """A chunk's (name, parameter) pairs, named as in the unsplit model: global layer and expert indices."""
+    layers, experts = layer_offset(model), expert_offset(model)
+    for name, param in model.named_parameters():
+        yield global_megatron_name(name, layers, experts), param

@@ -1,7 +1,7 @@
-"""From a Hugging Face config (Llama, Qwen2, Qwen3) to megatron-core's TransformerConfig.
+"""From a Hugging Face config (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral) to megatron-core's TransformerConfig.
 
 ``ModelArchitecture`` is the single, validated reading of the HF config: model dimensions, RoPE,
-biases, per-head q/k norms, tied embeddings and the TP vocab padding. The weight mapping, the model builder and the
+biases, per-head q/k norms, the Mixture-of-Experts layers, tied embeddings and the TP vocab padding. The weight mapping, the model builder and the
 checkpoint code all read it; nothing else parses HF configs.
 """
 
@@ -17,7 +17,8 @@ import torch
 from parallel.layout import ParallelLayout
 
 # HF model_type -> the prefix of its transformers classes (``Qwen3ForCausalLM``, ...).
-MODEL_CLASS_PREFIXES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+MODEL_CLASS_PREFIXES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
+                        "mixtral": "Mixtral"}
 SUPPORTED_MODEL_TYPES = tuple(MODEL_CLASS_PREFIXES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -44,6 +45,22 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class MixtureOfExperts:
+    """The MoE layers of an HF config (Qwen3-MoE, Mixtral; no shared experts in either).
+
+    The router as HF computes it: p = softmax(W_gate h) over all experts, the ``topk`` largest, and
+    with ``renormalize`` those k weights divided by their sum (Mixtral always; Qwen3-MoE when
+    ``norm_topk_prob``). Each chosen expert is a SwiGLU MLP of width ``ffn_hidden_size``.
+    """
+
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int
+    renormalize: bool
+    layers: tuple[int, ...]  # the MoE layers; the others have a dense MLP (Qwen3-MoE's mlp_only_layers)
+
+
+@dataclass(frozen=True)
 class ModelArchitecture:
     """What we build from an HF decoder config, validated. Field names follow megatron-core."""
 
@@ -65,6 +82,7 @@ class ModelArchitecture:
     max_position_embeddings: int
     init_method_std: float
     attention_dropout: float
+    moe: MixtureOfExperts | None = None  # None: a dense model
     # Megatron pads the vocabulary so every TP rank holds an equal, aligned slice.
     make_vocab_size_divisible_by: int = 128
     source_config: Any = field(default=None, compare=False, repr=False)  # the HF PretrainedConfig
@@ -94,11 +112,23 @@ class ModelArchitecture:
 
     def validate_layout(self, layout: ParallelLayout) -> None:
         """Raise if the model cannot be split as ``layout`` asks."""
-        tp = layout.tensor_model_parallel_size
+        tp, ep = layout.tensor_model_parallel_size, layout.expert_model_parallel_size
         if self.ffn_hidden_size % tp:
             raise UnsupportedModelError(
                 f"intermediate_size={self.ffn_hidden_size} is not divisible by tensor_model_parallel_size={tp}"
             )
+        if self.moe is None and ep > 1:
+            raise UnsupportedModelError(
+                f"expert_model_parallel_size={ep} needs a Mixture-of-Experts model; {self.model_type} is dense"
+            )
+        if self.moe is not None:
+            if self.moe.num_experts % ep:
+                raise UnsupportedModelError(
+                    f"{self.moe.num_experts} experts are not divisible by expert_model_parallel_size={ep}"
+                )
+            if self.moe.ffn_hidden_size % tp:  # megatron's expert TP size defaults to the TP size
+                raise UnsupportedModelError(f"the experts' intermediate size {self.moe.ffn_hidden_size} is not "
+                                            f"divisible by tensor_model_parallel_size={tp}")
         stages = layout.pipeline_model_parallel_size * (layout.virtual_pipeline_model_parallel_size or 1)
         if self.num_layers % stages:
             raise UnsupportedModelError(
@@ -156,7 +186,7 @@ def _rope_scaling(params: dict) -> RopeScaling | None:
 
 
 def architecture_from_hf(hf_config_or_dir: Any, *, make_vocab_size_divisible_by: int = 128) -> ModelArchitecture:
-    """Read and validate a Llama / Qwen2 / Qwen3 HF config (object or model folder)."""
+    """Read and validate a Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral HF config (object or model folder)."""
     hf_config = load_hf_config(hf_config_or_dir)
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -165,18 +195,20 @@ def architecture_from_hf(hf_config_or_dir: Any, *, make_vocab_size_divisible_by:
         )
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {hf_config.hidden_act!r} is not supported (only 'silu')")
-    if model_type == "llama":
+    if model_type in ("llama", "mixtral"):
         for key in ("attention_bias", "mlp_bias"):
             if getattr(hf_config, key, False):
-                raise UnsupportedModelError(f"llama with {key}=True is not supported")
+                raise UnsupportedModelError(f"{model_type} with {key}=True is not supported")
+        if model_type == "mixtral" and hf_config.sliding_window is not None:
+            raise UnsupportedModelError("mixtral with a sliding_window is not supported (set it to null)")
         add_qkv_bias = False
     else:
         if getattr(hf_config, "use_sliding_window", False):
             raise UnsupportedModelError(f"{model_type} with use_sliding_window=True is not supported")
-        if model_type == "qwen3" and getattr(hf_config, "attention_bias", False):
+        if model_type != "qwen2" and getattr(hf_config, "attention_bias", False):
             # Qwen3's attention_bias also puts a bias on o_proj, which our layer spec does not have.
-            raise UnsupportedModelError("qwen3 with attention_bias=True is not supported")
-        # qwen2: q/k/v projections always carry a bias, o_proj and the MLP none; qwen3: no bias
+            raise UnsupportedModelError(f"{model_type} with attention_bias=True is not supported")
+        # qwen2: q/k/v projections always carry a bias, o_proj and the MLP none; qwen3(_moe): no bias
         add_qkv_bias = model_type == "qwen2"
     num_heads = hf_config.num_attention_heads
     num_groups = getattr(hf_config, "num_key_value_heads", None) or num_heads
@@ -199,13 +231,40 @@ def architecture_from_hf(hf_config_or_dir: Any, *, make_vocab_size_divisible_by:
         rope_scaling=_rope_scaling(rope),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         add_qkv_bias=add_qkv_bias,
-        qk_layernorm=model_type == "qwen3",
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
         max_position_embeddings=hf_config.max_position_embeddings,
         init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
         attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
+        moe=_mixture_of_experts(hf_config, model_type),
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         source_config=hf_config,
     )
+
+
+def _mixture_of_experts(hf_config, model_type: str) -> MixtureOfExperts | None:
+    num_layers = hf_config.num_hidden_layers
+    if model_type == "mixtral":
+        if getattr(hf_config, "router_jitter_noise", 0.0):
+            raise UnsupportedModelError("mixtral with router_jitter_noise > 0 is not supported")
+        moe = MixtureOfExperts(num_experts=hf_config.num_local_experts, topk=hf_config.num_experts_per_tok,
+                               ffn_hidden_size=hf_config.intermediate_size, renormalize=True,
+                               layers=tuple(range(num_layers)))
+    elif model_type == "qwen3_moe":
+        # transformers: layer i is MoE unless listed in mlp_only_layers, and only every decoder_sparse_step-th
+        dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+        step = hf_config.decoder_sparse_step
+        layers = tuple(i for i in range(num_layers) if i not in dense and step > 0 and (i + 1) % step == 0)
+        moe = MixtureOfExperts(num_experts=hf_config.num_experts, topk=hf_config.num_experts_per_tok,
+                               ffn_hidden_size=hf_config.moe_intermediate_size,
+                               renormalize=bool(hf_config.norm_topk_prob), layers=layers)
+    else:
+        return None
+    if moe.topk == 1 and moe.renormalize:
+        # megatron takes top-1 only after the softmax, which leaves p_max instead of HF's weight 1.
+        raise UnsupportedModelError("num_experts_per_tok=1 with renormalised router weights is not supported")
+    if not 0 < moe.topk <= moe.num_experts:
+        raise UnsupportedModelError(f"num_experts_per_tok={moe.topk} must be in [1, {moe.num_experts}]")
+    return moe
 
 
 def rope_inverse_frequencies(architecture: ModelArchitecture) -> torch.Tensor:
@@ -241,7 +300,7 @@ def transformer_config_from_hf(
     perform_initialization: bool = True,
     **overrides: Any,
 ):
-    """megatron-core ``TransformerConfig`` for an HF Llama / Qwen2 / Qwen3 config split as ``layout``.
+    """megatron-core ``TransformerConfig`` for a supported HF config split as ``layout``.
 
     ``overrides`` are passed through to TransformerConfig (e.g. ``recompute_granularity``).
     """
@@ -293,6 +352,28 @@ def transformer_config_from_hf(
         apply_rope_fusion=fused,
         gradient_accumulation_fusion=False,  # needs apex/TE fused wgrad kernels and main_grad buffers
     )
+    if architecture.moe is not None:
+        config.update(_moe_settings(architecture, fused))
     config.update(overrides)
     return TransformerConfig(**config)
 
+
+def _moe_settings(architecture: ModelArchitecture, grouped_gemm: bool) -> dict[str, Any]:
+    """TransformerConfig keys of the MoE layers: the router as HF computes it (see MixtureOfExperts),
+    the all-to-all token dispatcher, TE's grouped GEMM for the experts where TE is used."""
+    moe = architecture.moe
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_router_topk=moe.topk,
+        moe_router_score_function="softmax",
+        # pre_softmax: softmax over all experts, then top-k, weights not renormalised (Qwen3-MoE's
+        # norm_topk_prob=False). Otherwise softmax over the k largest logits, which equals HF's
+        # renormalised top-k of the full softmax.
+        moe_router_pre_softmax=not moe.renormalize,
+        moe_layer_freq=[int(layer in moe.layers) for layer in range(architecture.num_layers)],
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=grouped_gemm,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+    )

@@ -64,14 +64,24 @@ class ParamMapping:
     exported: bool = True
     # True for the critic's value head: an actor checkpoint does not have it.
     optional: bool = False
+    # An MoE expert's weight: split over expert-parallel ranks (whole experts), and over the expert
+    # tensor-parallel group instead of the TP group.
+    expert: bool = False
 
 
 _LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.")
+# An expert's index in megatron's local spec (SequentialMLP) and in TE's grouped experts.
+_EXPERT_INDEX = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(?=\.)|(\.mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
 
 
-def global_megatron_name(local_name: str, layer_offset: int) -> str:
-    """``decoder.layers.{i}.x`` of a pipeline chunk -> ``decoder.layers.{i + layer_offset}.x``."""
-    return _LAYER_PREFIX.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", local_name, count=1)
+def global_megatron_name(local_name: str, layer_offset: int, expert_offset: int = 0) -> str:
+    """A name in a pipeline chunk / on an expert-parallel rank -> its name in the unsplit model:
+    ``decoder.layers.{i}.`` -> ``decoder.layers.{i + layer_offset}.``, local expert {e} -> {e + expert_offset}."""
+    name = _LAYER_PREFIX.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", local_name, count=1)
+    if expert_offset:
+        name = _EXPERT_INDEX.sub(lambda m: f"{m.group(1) or m.group(3)}{int(m.group(2) or m.group(4)) + expert_offset}",
+                                 name, count=1)
+    return name
 
 
 def weight_mappings(
@@ -91,7 +101,6 @@ def weight_mappings(
                      ((a.vocab_size, hidden),), 0, padding=Padding.VOCAB),
     ]
     input_norm = "self_attention.linear_qkv.layer_norm_weight" if transformer_engine else "input_layernorm.weight"
-    mlp_norm = "mlp.linear_fc1.layer_norm_weight" if transformer_engine else "pre_mlp_layernorm.weight"
     for layer in range(a.num_layers):
         m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
         attn = h + "self_attn."
@@ -112,13 +121,17 @@ def weight_mappings(
                                      ((head_dim,),), None) for part in ("q", "k")]
         entries.append(ParamMapping(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",),
                                     ((hidden, q_rows),), 1, padding=Padding.HEADS))
-        entries.append(ParamMapping(m + mlp_norm, (h + "post_attention_layernorm.weight",), ((hidden,),), None))
-        entries.append(ParamMapping(
-            m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
-            ((a.ffn_hidden_size, hidden),) * 2, 0, FusedKind.GATE_UP,
-        ))
-        entries.append(ParamMapping(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",),
-                                    ((hidden, a.ffn_hidden_size),), 1))
+        if a.moe is not None and layer in a.moe.layers:
+            entries += _moe_mappings(a, layer, transformer_engine)
+        else:
+            mlp_norm = "mlp.linear_fc1.layer_norm_weight" if transformer_engine else "pre_mlp_layernorm.weight"
+            entries.append(ParamMapping(m + mlp_norm, (h + "post_attention_layernorm.weight",), ((hidden,),), None))
+            entries.append(ParamMapping(
+                m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
+                ((a.ffn_hidden_size, hidden),) * 2, 0, FusedKind.GATE_UP,
+            ))
+            entries.append(ParamMapping(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",),
+                                        ((hidden, a.ffn_hidden_size),), 1))
     entries.append(ParamMapping("decoder.final_layernorm.weight", ("model.norm.weight",), ((hidden,),), None))
     if value_head:
         entries.append(ParamMapping("output_layer.weight", ("score.weight",), ((1, hidden),), None, optional=True))
@@ -130,6 +143,55 @@ def weight_mappings(
     else:
         entries.append(ParamMapping("output_layer.weight", ("lm_head.weight",),
                                     ((a.vocab_size, hidden),), 0, padding=Padding.VOCAB))
+    return entries
+
+
+# HF names of an MoE block: (router, expert prefix, gate, up, down) per model_type.
+_HF_MOE_NAMES = {
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts", "gate_proj", "up_proj", "down_proj"),
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts", "w1", "w3", "w2"),
+}
+
+
+# transformers >= 5 holds an MoE block's experts fused in memory, under ``mlp``: experts.gate_up_proj
+# [experts, 2 * ffn, hidden] (each expert's gate rows, then its up rows) and experts.down_proj
+# [experts, hidden, ffn]. Checkpoints, SGLang and our export name each expert's matrices.
+_CHECKPOINT_EXPERT = re.compile(
+    r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|w1|up_proj|w3|down_proj|w2)\.weight$"
+)
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+def transformers_in_memory_slot(checkpoint_name: str) -> tuple[str, int | None, str | None]:
+    """Where a checkpoint tensor lives in a transformers model: (parameter name, expert index, part
+    "gate" / "up" / "down"), or (name, None, None) for a tensor held as it is saved."""
+    match = _CHECKPOINT_EXPERT.match(checkpoint_name)
+    if match is None:
+        # Mixtral's router is saved under block_sparse_moe, held under mlp.
+        return checkpoint_name.replace(".block_sparse_moe.gate.", ".mlp.gate."), None, None
+    layer, expert, part = match.groups()
+    part = _EXPERT_PART[part]
+    return f"{layer}.mlp.experts.{'down_proj' if part == 'down' else 'gate_up_proj'}", int(expert), part
+
+
+def _moe_mappings(a: ModelArchitecture, layer: int, transformer_engine: bool) -> list[ParamMapping]:
+    """One MoE layer's norm, router and experts. The router is replicated on every rank; expert e's
+    SwiGLU is split over the expert TP group like a dense MLP (megatron's global expert index e)."""
+    m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
+    router, experts, gate, up, down = _HF_MOE_NAMES[a.model_type]
+    hidden, ffn = a.hidden_size, a.moe.ffn_hidden_size
+    entries = [
+        # The MoE layer keeps its norm as a module of its own, also with TE (no fused fc1 to hold it).
+        ParamMapping(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), ((hidden,),), None),
+        ParamMapping(m + "mlp.router.weight", (h + router,), ((a.moe.num_experts, hidden),), None),
+    ]
+    for e in range(a.moe.num_experts):
+        fc1, fc2 = ((f"mlp.experts.linear_fc1.weight{e}", f"mlp.experts.linear_fc2.weight{e}") if transformer_engine
+                    else (f"mlp.experts.local_experts.{e}.linear_fc1.weight", f"mlp.experts.local_experts.{e}.linear_fc2.weight"))
+        hf = f"{h}{experts}.{e}."
+        entries.append(ParamMapping(m + fc1, (hf + f"{gate}.weight", hf + f"{up}.weight"), ((ffn, hidden),) * 2, 0,
+                                    FusedKind.GATE_UP, expert=True))
+        entries.append(ParamMapping(m + fc2, (hf + f"{down}.weight",), ((hidden, ffn),), 1, expert=True))
     return entries
 
 

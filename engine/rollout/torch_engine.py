@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from engine.config.actor_rollout_ref import RolloutConfig
+from engine.models.weight_mapping import transformers_in_memory_slot
 from engine.rollout.base import (
     MEMORY_TAGS,
     WEIGHTS,
@@ -239,7 +240,7 @@ class TorchRolloutEngine(RolloutEngine):
         if WEIGHTS in self._released:
             raise WeightUpdateError("push_weights() while the weights are released; call resume_memory(['weights']) first")
         for name, tensor in named_tensors:
-            target = self._named_state.get(name)
+            target = self.served_weight(name)
             if target is None:
                 raise WeightUpdateError(
                     f"weight {name!r} is not in the model (HF names expected, e.g. {next(iter(self._named_state))!r})"
@@ -247,6 +248,19 @@ class TorchRolloutEngine(RolloutEngine):
             if tuple(tensor.shape) != tuple(target.shape):
                 raise WeightUpdateError(f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
             target.data.copy_(tensor.to(device=target.device, dtype=target.dtype))
+
+    def served_weight(self, name: str) -> torch.Tensor | None:
+        """The model tensor under an HF checkpoint name (for an expert of a fused MoE block, its slice),
+        which a pushed weight of that name fills; None for a name the model does not have."""
+        memory_name, expert, part = transformers_in_memory_slot(name)
+        tensor = self._named_state.get(memory_name)
+        if tensor is None or expert is None:
+            return tensor
+        rows = tensor[expert]
+        if part == "down":
+            return rows
+        half = rows.shape[0] // 2
+        return rows[:half] if part == "gate" else rows[half:]
 
     def end_weight_update(self) -> None:
         if not self._in_weight_update:

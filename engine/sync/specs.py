@@ -10,10 +10,10 @@ from typing import Sequence
 
 import torch
 
-from engine.models.gpt import layer_offset, use_transformer_engine
+from engine.models.gpt import named_global_parameters, use_transformer_engine
 from engine.models.hf_config import ModelArchitecture
 from engine.models.weight_mapping import FusedKind as MappingFusedKind
-from engine.models.weight_mapping import Padding, ParamMapping, global_megatron_name, weight_mappings
+from engine.models.weight_mapping import Padding, ParamMapping, weight_mappings
 from parallel.hybrid_engine.layouts import TrainingLayout
 from parallel.hybrid_engine.spec import FusedKind, HFTensorLayout, ParameterSpec
 
@@ -94,10 +94,7 @@ def local_parameters(
     by_name = {spec.megatron_name: spec for spec in specs}
     result: dict[str, torch.Tensor] = {}
     for vp, chunk in enumerate(model_chunks):
-        model = unwrap(chunk)
-        offset = layer_offset(model)
-        for local_name, param in model.named_parameters():
-            name = global_megatron_name(local_name, offset)
+        for name, param in named_global_parameters(unwrap(chunk)):
             spec = by_name.get(name)
             if spec is None:
                 continue  # not exported (the tied output layer's copy on the last stage)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -129,7 +129,7 @@ class WeightSynchronizer:
             if engine is not None:
                 engine.end_weight_update()
         report = WeightSyncReport(self.executor.stats, self.traffic.received, self.traffic.lower_bound, push_seconds)
-        if self.rollout.check_weight_sync and engine is not None and engine_weights(engine) is not None:
+        if self.rollout.check_weight_sync and engine is not None and hasattr(engine, "served_weight"):
             start = time.perf_counter()
             check_engine_weights(engine, self.executor.expected_fingerprints)
             report.check_seconds = time.perf_counter() - start
@@ -137,26 +137,27 @@ class WeightSynchronizer:
         return report
 
 
-def engine_weights(engine: RolloutEngine) -> dict[str, torch.Tensor] | None:
-    """The HF tensors an in-process engine serves, or None when it cannot show them (servers).
-
-    The embedded engine holds a transformers model (``engine.model``); tied aliases
-    (``lm_head.weight`` of a tied model) share storage with the embedding and are left out.
-    """
-    model = getattr(engine, "model", None)
-    if not isinstance(model, torch.nn.Module):
+def engine_weights(engine: RolloutEngine, names: Iterable[str]) -> dict[str, torch.Tensor] | None:
+    """The tensors an in-process engine serves under these HF checkpoint names, or None when it
+    cannot show them (servers). The embedded engine resolves each name to its transformers model's
+    tensor, or the slice of a fused MoE expert tensor (``served_weight``)."""
+    served_weight = getattr(engine, "served_weight", None)
+    if served_weight is None:
         return None
-    return dict(model.named_parameters())
+    return {name: served_weight(name) for name in names}
 
 
 def check_engine_weights(engine: RolloutEngine, expected: dict[str, torch.Tensor]) -> None:
     """Compare the trainer's fingerprints with the engine's tensors; raise ``WeightSyncError``."""
-    weights = engine_weights(engine)
+    weights = engine_weights(engine, expected)
     if weights is None:
         raise WeightSyncError(
             f"{type(engine).__name__} cannot report its weights; check it with check_by_log_probs() instead"
         )
-    actual = fingerprints_of({name: weights[name] for name in expected if name in weights})
+    missing = [name for name, tensor in weights.items() if tensor is None]
+    if missing:
+        raise WeightSyncError(f"the engine serves no tensor named {missing[0]!r} ({len(missing)} missing)")
+    actual = fingerprints_of(weights)
     check_fingerprints(expected, actual)
 
 

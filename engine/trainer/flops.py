@@ -1,4 +1,4 @@
-"""Model FLOPs of a dense decoder and model FLOPs utilisation (MFU).
+"""Model FLOPs of a decoder (dense or Mixture-of-Experts) and model FLOPs utilisation (MFU).
 
 Counting follows PaLM (Chowdhery et al. 2022, appendix B): a training token costs
 ``6 N + 12 L H Q T`` FLOPs -- 2 per multiply-accumulate, times 3 for forward + backward (the
@@ -17,6 +17,8 @@ Per sequence of length s, summed over the batch (packed or padded-free sequences
 N here = per layer [h (H + 2 G) Q  (q, k, v)  +  H Q h  (output)  +  k_mlp h f  (MLP; k_mlp = 3
 for SwiGLU, 2 otherwise)] + the output layer (h V, or h for the critic's value head). The input
 embedding is a lookup (no FLOPs); norms, softmax and rotary are ignored (< 1% at these sizes).
+An MoE layer's MLP term counts the experts a token runs through, k x 3 h f_expert, plus the router
+h E (the "activated" parameters; token dispatch moves data and adds no FLOPs).
 
 MFU = model FLOPs / (seconds x peak FLOP/s per device x devices). MFU counts useful model FLOPs
 only: recomputation and padding add time but not model FLOPs.
@@ -54,15 +56,22 @@ class DecoderShape:
     vocab_size: int
     gated_linear_unit: bool = True
     value_head: bool = False
+    moe_layers: int = 0  # of num_layers, the ones with routed experts instead of the dense MLP
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
 
     @classmethod
     def from_architecture(cls, architecture: Any, *, value_head: bool = False) -> "DecoderShape":
         """From ``engine.models.hf_config.ModelArchitecture`` (actor/reference, or critic with value_head)."""
+        moe = architecture.moe
+        experts = dict(moe_layers=len(moe.layers), num_experts=moe.num_experts, moe_topk=moe.topk,
+                       moe_ffn_hidden_size=moe.ffn_hidden_size) if moe is not None else {}
         return cls(
             num_layers=architecture.num_layers, hidden_size=architecture.hidden_size,
             ffn_hidden_size=architecture.ffn_hidden_size, num_attention_heads=architecture.num_attention_heads,
             num_query_groups=architecture.num_query_groups, kv_channels=architecture.kv_channels,
-            vocab_size=architecture.vocab_size, gated_linear_unit=True, value_head=value_head,
+            vocab_size=architecture.vocab_size, gated_linear_unit=True, value_head=value_head, **experts,
         )
 
     def matmul_parameters(self) -> int:
@@ -70,9 +79,12 @@ class DecoderShape:
         h, heads_dim = self.hidden_size, self.num_attention_heads * self.kv_channels
         qkv = h * (self.num_attention_heads + 2 * self.num_query_groups) * self.kv_channels
         attention_output = heads_dim * h
-        mlp = (3 if self.gated_linear_unit else 2) * h * self.ffn_hidden_size
+        per_matrix = 3 if self.gated_linear_unit else 2
+        mlp = per_matrix * h * self.ffn_hidden_size
+        routed = self.moe_topk * per_matrix * h * self.moe_ffn_hidden_size + h * self.num_experts
         head = h * (1 if self.value_head else self.vocab_size)
-        return self.num_layers * (qkv + attention_output + mlp) + head
+        dense_layers = self.num_layers - self.moe_layers
+        return self.num_layers * (qkv + attention_output) + dense_layers * mlp + self.moe_layers * routed + head
 
 
 def forward_flops(shape: DecoderShape, sequence_lengths: Iterable[int]) -> float:

@@ -21,8 +21,11 @@ def check_inputs(cfg: ExperimentConfig, *, data: bool = True) -> None:
     """Raise ``InputError`` (or ``PromptSchemaError`` for a data row) on the first unusable input."""
     model = cfg.actor_rollout_ref.model
     check_model_folder("actor_rollout_ref.model.path", model.path)
-    if cfg.algorithm.uses_critic and cfg.critic.model.path != model.path:
-        check_model_folder("critic.model.path", cfg.critic.model.path)
+    check_trainable_layout(model.path, cfg.actor_rollout_ref.actor.megatron, "actor_rollout_ref.actor.megatron")
+    if cfg.algorithm.uses_critic:
+        if cfg.critic.model.path != model.path:
+            check_model_folder("critic.model.path", cfg.critic.model.path)
+        check_trainable_layout(cfg.critic.model.path, cfg.critic.megatron, "critic.megatron")
     tokenizer = load_tokenizer(model.tokenizer_path, model.trust_remote_code)
     reward = cfg.reward_model
     if reward.enable:
@@ -59,6 +62,21 @@ def check_model_folder(key: str, path: str) -> None:
     if not any(folder.glob("*.safetensors")):
         raise InputError(f"{key}={path}: no *.safetensors weights in the folder (convert .bin checkpoints "
                          f"with transformers' save_pretrained(..., safe_serialization=True))")
+
+
+def check_trainable_layout(path: str, megatron, key: str) -> None:
+    """The model at ``path`` splits as ``key`` asks, and megatron-core can train it so."""
+    from engine.models.hf_config import UnsupportedModelError, architecture_from_hf
+
+    architecture, layout = architecture_from_hf(path), megatron.layout()
+    try:
+        architecture.validate_layout(layout)
+    except UnsupportedModelError as error:
+        raise InputError(f"{key}: {error}") from None
+    tp = layout.tensor_model_parallel_size
+    if architecture.moe is not None and tp > 1 and not layout.sequence_parallel:
+        raise InputError(f"{key}.sequence_parallel=false: megatron-core trains the MoE layers of "
+                         f"{architecture.model_type} at tensor_model_parallel_size={tp} only with sequence parallelism")
 
 
 def load_tokenizer(path: str, trust_remote_code: bool, key: str = "actor_rollout_ref.model.tokenizer_path") -> Any:

@@ -26,9 +26,11 @@ import torch
 def parse_layout(text: str):
     from parallel.layout import ParallelLayout
 
-    tp, pp, vpp, sp = (int(x) for x in (text + ",0").split(",")[:4])
+    values = [int(x) for x in text.split(",")]
+    tp, pp, vpp, sp, ep = values + [1, 1, 0, 0, 1][len(values):]
     return ParallelLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                          virtual_pipeline_model_parallel_size=vpp or None, sequence_parallel=bool(sp))
+                          virtual_pipeline_model_parallel_size=vpp or None, sequence_parallel=bool(sp),
+                          expert_model_parallel_size=ep)
 
 
 def use_layout(layout) -> None:
@@ -44,7 +46,7 @@ def use_layout(layout) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hf-dirs", nargs="+", required=True)
-    parser.add_argument("--layouts", nargs="+", required=True, help="tp,pp,vpp[,sp] (vpp 0 = none, sp 1 = sequence parallel)")
+    parser.add_argument("--layouts", nargs="+", required=True, help="tp,pp,vpp[,sp[,ep]] (vpp 0 = none, sp 1 = sequence parallel, ep = expert parallel)")
     parser.add_argument("--critic-layouts", nargs="*", default=[])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=12)
@@ -94,7 +96,11 @@ def main() -> None:
                 else:
                     raise AssertionError(f"loading {other} into a {hf_dir.name} model did not fail")
             family[text] = {"max_abs_logit_diff": (logits - reference).abs().max().item(),
-                            "round_trip_bit_exact": True, "tensors": len(exported)}
+                            "round_trip_bit_exact": True, "tensors": len(exported),
+                            # MoE: how many experts this rank holds (all of them without expert parallelism)
+                            "local_experts": max((len(layer.mlp.local_expert_indices) for chunk in chunks
+                                                  for layer in chunk.decoder.layers
+                                                  if hasattr(layer.mlp, "local_expert_indices")), default=0)}
 
         values_by_layout = {}
         for index, text in enumerate(args.critic_layouts):

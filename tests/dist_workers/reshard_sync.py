@@ -50,13 +50,21 @@ def check_rank_map(training) -> None:
     assert mine == theirs, (mine, theirs)
 
 
-def hf_reference_model(hf_dir: str, state_dict: dict):
+def hf_reference_model(hf_dir: str, state_dict: dict, folder: str):
+    """The HF model holding ``state_dict``, loaded by transformers itself from a safetensors folder (so
+    its own checkpoint conversion applies, e.g. MoE experts fused in memory)."""
+    import shutil
+
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(hf_dir) / "config.json", folder)
+    save_file(state_dict, str(Path(folder) / "model.safetensors"))
+    model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"] and not info["mismatched_keys"], info
+    model.eval()
     model.generation_config.eos_token_id = None  # fixed-length, like the engine's ignore_eos
-    result = model.load_state_dict(state_dict, strict=False)
-    assert not result.unexpected_keys and all(k == "lm_head.weight" for k in result.missing_keys), result
     return model
 
 
@@ -139,11 +147,11 @@ def run_case(case: str, hf_dir: str, bucket_megabytes: float, engine_name: str, 
                           "peak_staging": stats.peak_staging_bytes, "buckets": stats.num_buckets}
 
     # The full path into real engines, with the fingerprint check on.
-    hf_model = hf_reference_model(hf_dir, reference)
+    hf_model = hf_reference_model(hf_dir, reference, f"{run_dir}/rank{rank}/reference")
     engine = None
     if sync.is_replica_leader:
         engine = start_engine(engine_name, hf_dir, f"{run_dir}/rank{rank}")
-        weights = engine_weights(engine)
+        weights = engine_weights(engine, ["model.layers.0.self_attn.q_proj.weight"])
         if weights is not None:
             before = weights["model.layers.0.self_attn.q_proj.weight"].clone()
             assert not torch.equal(before, reference["model.layers.0.self_attn.q_proj.weight"])
@@ -176,8 +184,8 @@ def run_case(case: str, hf_dir: str, bucket_megabytes: float, engine_name: str, 
             engine, mine[:2], lambda p, r: hf_log_probs(hf_model, p, r), MAX_NEW_TOKENS, atol=1e-4)
     if engine is not None and engine_name == "torch":
         # A wrong row order in one tensor must be named by the fingerprint check.
-        weights = engine_weights(engine)
         name = "model.layers.1.self_attn.k_proj.weight"
+        weights = engine_weights(engine, [name])
         with torch.no_grad():
             weights[name].copy_(weights[name].flip(0))
         try:

@@ -1,6 +1,6 @@
 """Worker: the actor and critic updates at several layouts of one torchrun world.
 
-For each ``--layouts`` entry (tp,pp,vpp,sp,packing,dynamic) the worker re-initialises megatron's
+For each ``--layouts`` entry (tp,pp,vpp,sp,packing,dynamic[,ep]) the worker re-initialises megatron's
 parallel state, loads the tiny HF Llama from --hf-dir into an actor and a critic, and runs on a
 fixed batch (built from --seed, identical on every rank and in every launch):
 
@@ -46,8 +46,9 @@ def make_batch(vocab_size: int, seed: int):
 
 
 def parse_layout(text: str) -> dict:
-    tp, pp, vpp, sp, packing, dynamic = (int(x) for x in text.split(","))
-    return dict(tp=tp, pp=pp, vpp=vpp or None, sp=bool(sp), packing=bool(packing), dynamic=bool(dynamic))
+    values = [int(x) for x in text.split(",")]
+    tp, pp, vpp, sp, packing, dynamic, ep = values + [1][len(values) - 6:]
+    return dict(tp=tp, pp=pp, vpp=vpp or None, sp=bool(sp), packing=bool(packing), dynamic=bool(dynamic), ep=ep)
 
 
 def use_layout(spec: dict):
@@ -58,7 +59,8 @@ def use_layout(spec: dict):
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    layout = ParallelLayout(spec["tp"], spec["pp"], spec["vpp"], sequence_parallel=spec["sp"])
+    layout = ParallelLayout(spec["tp"], spec["pp"], spec["vpp"], sequence_parallel=spec["sp"],
+                            expert_model_parallel_size=spec.get("ep", 1))
     initialize_model_parallel(layout, seed=5)
     return layout
 
