@@ -299,8 +299,6 @@ def test_features_not_built_yet_are_refused():
     assert "critic.model.lora_rank=8: LoRA is not built yet" in error_of(DEMO, ["critic.model.lora_rank=8"])
     assert "context parallelism is not built yet" in error_of(
         DEMO, ["actor_rollout_ref.actor.megatron.context_parallel_size=2"])
-    assert "expert parallelism is not built into the PPO job yet" in error_of(
-        DEMO, ["actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"])
 
 
 def test_removed_keys_say_why():

@@ -87,6 +87,11 @@ def test_unsupported_architecture(demo_model, tmp_path, monkeypatch, capsys):
     assert f"actor_rollout_ref.model.path={folder}: model_type 'gpt2' is not supported (supported: llama" in err
 
 
+def test_expert_parallelism_on_a_dense_model(demo_model, tmp_path, monkeypatch, capsys):
+    err = trident_error(tmp_path, monkeypatch, capsys, ["actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"])
+    assert "actor_rollout_ref.actor.megatron: expert_model_parallel_size=2 needs a Mixture-of-Experts model" in err
+
+
 def test_moe_model_at_tensor_parallel_without_sequence_parallel(demo_model, tmp_path, monkeypatch, capsys):
     from engine.models.char_tokenizer import build_char_tokenizer
     from launch.rehearse import write_tiny_model

@@ -50,13 +50,24 @@ def save_tiny_checkpoints(root):
         "qwen3": (Qwen3ForCausalLM, Qwen3Config(**common, head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
                                                 rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
     }
+    return save_checkpoints(root, configs)
+
+
+def save_checkpoints(root, configs):
+    """Each (model class, config) as a random model away from its init, saved to root / name."""
     torch.manual_seed(0)
-    dirs = []
     for name, (model_class, config) in configs.items():
-        model = away_from_init(model_class(config))
-        model.save_pretrained(root / name)
-        dirs.append(root / name)
-    return dirs
+        away_from_init(model_class(config)).save_pretrained(root / name)
+    return [root / name for name in configs]
+
+
+def run_parity(tmp_path, dirs, layouts, critic_layouts) -> dict:
+    out = tmp_path / "results.json"
+    run_torchrun("models_parity.py", 4, [
+        "--hf-dirs", *map(str, dirs), "--layouts", *layouts, "--critic-layouts", *critic_layouts,
+        "--work-dir", str(tmp_path), "--out", str(out),
+    ])
+    return json.loads(out.read_text())
 
 
 MOE_LAYOUTS = ["1,1,0", "2,1,0", "1,2,0", "1,1,0,0,2", "2,1,0,0,2", "2,1,0,1,2", "1,2,0,0,2"]
@@ -76,13 +87,7 @@ def save_tiny_moe_checkpoints(root):
                                                           intermediate_size=96, mlp_only_layers=[1], norm_topk_prob=False)),
         "mixtral": (MixtralForCausalLM, MixtralConfig(**common, num_local_experts=4, intermediate_size=48)),
     }
-    torch.manual_seed(0)
-    dirs = []
-    for name, (model_class, config) in configs.items():
-        model = away_from_init(model_class(config))
-        model.save_pretrained(root / name)
-        dirs.append(root / name)
-    return dirs
+    return save_checkpoints(root, configs)
 
 
 def check_results(results, families, layouts, critic_layouts):
@@ -101,25 +106,14 @@ def check_results(results, families, layouts, critic_layouts):
 
 @pytest.mark.dist
 def test_hf_logits_round_trip_and_critic_at_every_layout(tmp_path):
-    dirs = save_tiny_checkpoints(tmp_path)
-    out = tmp_path / "results.json"
-    run_torchrun("models_parity.py", 4, [
-        "--hf-dirs", *map(str, dirs), "--layouts", *LAYOUTS, "--critic-layouts", *CRITIC_LAYOUTS,
-        "--work-dir", str(tmp_path), "--out", str(out),
-    ])
-    check_results(json.loads(out.read_text()), ("llama", "qwen2", "qwen3"), LAYOUTS, CRITIC_LAYOUTS)
+    results = run_parity(tmp_path, save_tiny_checkpoints(tmp_path), LAYOUTS, CRITIC_LAYOUTS)
+    check_results(results, ("llama", "qwen2", "qwen3"), LAYOUTS, CRITIC_LAYOUTS)
 
 
 @pytest.mark.dist
 def test_moe_hf_logits_round_trip_and_critic_with_expert_parallelism(tmp_path):
     """EP2 (experts 0-1 on one rank, 2-3 on the other), EP2 x TP2, EP2 with sequence parallelism, EP2 x PP2."""
-    dirs = save_tiny_moe_checkpoints(tmp_path)
-    out = tmp_path / "results.json"
-    run_torchrun("models_parity.py", 4, [
-        "--hf-dirs", *map(str, dirs), "--layouts", *MOE_LAYOUTS, "--critic-layouts", *MOE_CRITIC_LAYOUTS,
-        "--work-dir", str(tmp_path), "--out", str(out),
-    ])
-    results = json.loads(out.read_text())
+    results = run_parity(tmp_path, save_tiny_moe_checkpoints(tmp_path), MOE_LAYOUTS, MOE_CRITIC_LAYOUTS)
     check_results(results, ("qwen3_moe", "mixtral"), MOE_LAYOUTS, MOE_CRITIC_LAYOUTS)
     for family in ("qwen3_moe", "mixtral"):
         for layout in MOE_LAYOUTS:

@@ -35,8 +35,10 @@ from parallel.layout import LayoutError
 
 
 def tiny_specs(pp: int, tp: int, vpp: int = 1, *, layers: int = 4, hidden: int = 16, heads: int = 8,
-               groups: int = 4, ffn: int = 32, vocab: int = 64, vocab_multiple: int = 8) -> list[ParameterSpec]:
-    """A Llama-shaped model: embedding, per layer norm/qkv/o/fc1/fc2, final norm, LM head.
+               groups: int = 4, ffn: int = 32, vocab: int = 64, vocab_multiple: int = 8, experts: int = 0,
+               ep: int = 1) -> list[ParameterSpec]:
+    """A Llama-shaped model: embedding, per layer norm/qkv/o/fc1/fc2, final norm, LM head; with
+    ``experts``, each layer's MLP is a router and that many experts split over ``ep`` expert ranks.
 
     Query groups and vocab rows are padded like megatron when ``tp`` does not divide them.
     """
@@ -58,10 +60,19 @@ def tiny_specs(pp: int, tp: int, vpp: int = 1, *, layers: int = 4, hidden: int =
             ), stage, vp, 0, FusedKind.QKV),
             ParameterSpec(f"{layer}.o", (HFTensorLayout(f"{layer}.o", (hidden, heads * head_dim),
                                                         padded_groups * q_unit, q_unit),), stage, vp, 1),
-            ParameterSpec(f"{layer}.fc1", (HFTensorLayout(f"{layer}.gate", (ffn, hidden)),
-                                           HFTensorLayout(f"{layer}.up", (ffn, hidden))), stage, vp, 0, FusedKind.GATE_UP),
-            ParameterSpec(f"{layer}.fc2", (HFTensorLayout(f"{layer}.down", (hidden, ffn)),), stage, vp, 1),
         ]
+        if experts:
+            specs.append(ParameterSpec(f"{layer}.router", (HFTensorLayout(f"{layer}.router", (experts, hidden)),),
+                                       stage, vp, None))
+        for expert in range(experts or 1):
+            name, owner = (f"{layer}.{expert}", expert // (experts // ep)) if experts else (f"{layer}", None)
+            specs += [
+                ParameterSpec(f"{name}.fc1", (HFTensorLayout(f"{name}.gate", (ffn, hidden)),
+                                              HFTensorLayout(f"{name}.up", (ffn, hidden))), stage, vp, 0,
+                              FusedKind.GATE_UP, expert_owner=owner),
+                ParameterSpec(f"{name}.fc2", (HFTensorLayout(f"{name}.down", (hidden, ffn)),), stage, vp, 1,
+                              expert_owner=owner),
+            ]
     specs += [ParameterSpec("final_norm", (HFTensorLayout("final_norm", (hidden,)),), pp - 1, vpp - 1, None),
               ParameterSpec("lm_head", (HFTensorLayout("lm_head", (vocab, hidden), padded_vocab),), pp - 1, vpp - 1, 0)]
     return specs
@@ -74,8 +85,8 @@ LAYOUTS = [
 ]
 
 
-def hybrid(pp, tp, dp, vpp, tg, cp=1) -> HybridLayout:
-    return HybridLayout(TrainingLayout(tp, pp, dp, vpp if vpp > 1 else None, cp), GenerationLayout(tg))
+def hybrid(pp, tp, dp, vpp, tg, cp=1, ep=1) -> HybridLayout:
+    return HybridLayout(TrainingLayout(tp, pp, dp, vpp if vpp > 1 else None, cp, ep), GenerationLayout(tg))
 
 
 # ---------------------------------------------------------------------------- layouts
@@ -94,7 +105,25 @@ def test_rank_order_is_megatrons():
             # every other coordinate is constant inside megatron's group
             others = [f for f in ("tensor", "context", "data", "pipeline") if f != field]
             assert len({tuple(getattr(c, f) for f in others) for c in coordinates}) == 1
-    assert all(training.rank(**vars(training.coordinates(r))) == r for r in range(training.world_size))
+    assert all(training.rank(c.tensor, c.context, c.data, c.pipeline) == r
+               for r, c in ((r, training.coordinates(r)) for r in range(training.world_size)))
+
+
+@pytest.mark.parametrize("dp, cp", [(4, 1), (2, 2)])
+def test_expert_rank_order_is_megatrons(dp, cp):
+    from megatron.core.parallel_state import RankGenerator
+
+    training = TrainingLayout(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, data_parallel_size=dp,
+                              context_parallel_size=cp, expert_model_parallel_size=2)
+    # megatron's expert layout: expert TP = TP, expert-data-parallel = world / (TP x EP x PP), no CP
+    generator = RankGenerator(tp=2, ep=2, dp=dp * cp // 2, pp=2, cp=1, order="tp-ep-dp-pp")
+    for token, field in (("ep", "expert"), ("dp", "expert_data")):
+        for group in generator.get_ranks(token):
+            assert [getattr(training.coordinates(rank), field) for rank in group] == list(range(len(group)))
+    for rank in range(training.world_size):
+        c = training.coordinates(rank)
+        peers = [training.expert_peer(rank, e) for e in range(2)]
+        assert peers[c.expert] == rank and all(training.coordinates(p).expert == e for e, p in enumerate(peers))
 
 
 @pytest.mark.parametrize("pp, tp, dp, vpp, tg", LAYOUTS)
@@ -157,7 +186,7 @@ def simulate(plan: ReshardPlan) -> dict[int, int]:
         for rank, s in steps.items():
             hold = plan.hold(tensor, rank)
             have[rank] = element_mask(tensor.layout, hold, dim) if hold else torch.zeros_like(real)
-            assert (s.local is None) == (hold is None)
+            assert (s.held is None) == (hold is None)
         held = {rank: mask.clone() for rank, mask in have.items()}
         moved = {rank: torch.zeros_like(real, dtype=torch.long) for rank in range(world)}
 
@@ -166,6 +195,12 @@ def simulate(plan: ReshardPlan) -> dict[int, int]:
             assert bool((have[source] | ~piece).all()), f"{tensor.name}: rank {source} sends rows it lacks"
             have[destination] = have[destination] | piece
             moved[destination] += piece.long()
+
+        for rank, s in steps.items():  # the expert phase
+            if s.expert_receive is not None:
+                deliver(s.expert_receive[0], rank, s.expert_receive[1])
+                assert (rank, s.expert_receive[1]) in steps[s.expert_receive[0]].expert_sends
+            assert all(steps[peer].expert_receive == (rank, span) for peer, span in s.expert_sends)
 
         for rank, s in steps.items():  # phase 1
             if s.broadcast is not None and s.broadcast[0] != rank:
@@ -213,6 +248,27 @@ def test_plan_moves_exactly_the_missing_slices(pp, tp, dp, vpp, tg, target):
     model = plan.model_bytes()
     if target is ReshardTarget.FULL:
         assert all(plan.traffic(r).output == model for r in range(plan.layout.world_size))
+
+
+# (pp, tp, dp, tg, ep): experts split over 2, 4 or 8 expert ranks, with TP, PP and data parallelism
+# beside them (expert-data-parallel replicas), generation TP up to the training TP.
+EXPERT_LAYOUTS = [(1, 1, 2, 1, 2), (1, 2, 2, 2, 2), (2, 2, 2, 1, 2), (1, 1, 4, 1, 2), (2, 1, 4, 1, 4),
+                  (1, 1, 8, 1, 8), (2, 2, 2, 2, 2)]
+
+
+@pytest.mark.parametrize("pp, tp, dp, tg, ep", EXPERT_LAYOUTS)
+@pytest.mark.parametrize("target", list(ReshardTarget))
+def test_experts_split_over_expert_ranks_move_exactly_the_missing_slices(pp, tp, dp, tg, ep, target):
+    specs = tiny_specs(pp, tp, groups=8, layers=max(4, pp), experts=8, ep=ep)
+    plan = ReshardPlan(hybrid(pp, tp, dp, 1, tg, ep=ep), specs, target, torch.float32)
+    received = simulate(plan)
+    for rank in range(plan.layout.world_size):
+        traffic = plan.traffic(rank)
+        assert traffic.received == traffic.lower_bound == received[rank] * 4
+        if target is not ReshardTarget.STAGE:  # each rank receives its stage's experts it lacks
+            assert traffic.by_phase["expert"] > 0
+    if target is ReshardTarget.FULL:
+        assert all(plan.traffic(r).output == plan.model_bytes() for r in range(plan.layout.world_size))
 
 
 @pytest.mark.parametrize("pp, tp, dp, vpp, tg", [(1, 4, 1, 1, 2), (2, 2, 1, 1, 1), (2, 1, 1, 1, 2)])

@@ -92,8 +92,8 @@ class FrozenMegatronConfig:
         virtual_pipeline_model_parallel_size: model chunks per pipeline stage (interleaved
             schedule); null = not interleaved.
         context_parallel_size: ranks that split each sequence (not built yet: must be 1).
-        expert_model_parallel_size: ranks that split the experts of MoE layers (the PPO job
-            refuses values > 1 until the HybridEngine reshards experts split over ranks).
+        expert_model_parallel_size: ranks that split the experts of MoE layers (Qwen3-MoE,
+            Mixtral) among the data-parallel ranks; > 1 needs an MoE model (checked at start-up).
         sequence_parallel: split the activations outside the tensor-parallel regions along the
             sequence; only takes effect when tensor_model_parallel_size > 1 (with one TP rank there
             is nothing to split), as in Megatron-LM.

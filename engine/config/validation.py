@@ -105,8 +105,6 @@ def _check_choices(config: ExperimentConfig) -> None:
 
 _LORA = "LoRA is not built yet; only full fine-tuning (lora_rank=0) runs today"
 _CONTEXT_PARALLEL = "context parallelism is not built yet (the roles do not split sequences over CP ranks); use 1"
-_EXPERT_PARALLEL = ("expert parallelism is not built into the PPO job yet (MoE models train with experts split over "
-                    "ranks, but the HybridEngine cannot reshard such experts for generation); use 1")
 # Keys of features that are not built yet: the only value each accepts, and why. Anything else is
 # refused here, never accepted and ignored (tests/test_config_liveness.py holds every other key to
 # a run-time read).
@@ -117,10 +115,7 @@ NOT_BUILT: dict[str, tuple[Any, str]] = {
     "critic.model.lora_alpha": (16, _LORA),
     f"{ACTOR}.megatron.context_parallel_size": (1, _CONTEXT_PARALLEL),
     "critic.megatron.context_parallel_size": (1, _CONTEXT_PARALLEL),
-    f"{ACTOR}.megatron.expert_model_parallel_size": (1, _EXPERT_PARALLEL),
-    "critic.megatron.expert_model_parallel_size": (1, _EXPERT_PARALLEL),
     "reward_model.megatron.context_parallel_size": (1, _CONTEXT_PARALLEL),
-    "reward_model.megatron.expert_model_parallel_size": (1, _EXPERT_PARALLEL),
 }
 
 

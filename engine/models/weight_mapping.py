@@ -84,6 +84,12 @@ def global_megatron_name(local_name: str, layer_offset: int, expert_offset: int 
     return name
 
 
+def expert_index(megatron_name: str) -> int | None:
+    """The expert a megatron parameter name belongs to (local or global, as the name has it), or None."""
+    match = _EXPERT_INDEX.search(megatron_name)
+    return None if match is None else int(match.group(2) or match.group(4))
+
+
 def weight_mappings(
     architecture: ModelArchitecture, *, transformer_engine: bool = False, value_head: bool = False
 ) -> list[ParamMapping]:

@@ -13,7 +13,7 @@ import torch
 from engine.models.gpt import named_global_parameters, use_transformer_engine
 from engine.models.hf_config import ModelArchitecture
 from engine.models.weight_mapping import FusedKind as MappingFusedKind
-from engine.models.weight_mapping import Padding, ParamMapping, weight_mappings
+from engine.models.weight_mapping import Padding, ParamMapping, expert_index, weight_mappings
 from parallel.hybrid_engine.layouts import TrainingLayout
 from parallel.hybrid_engine.spec import FusedKind, HFTensorLayout, ParameterSpec
 
@@ -69,6 +69,10 @@ def parameter_specs(
         if not entry.exported:
             continue
         stage, chunk = owner_of(entry.megatron_name, architecture, layout)
+        expert_owner = None
+        if entry.expert:  # megatron gives expert-parallel rank r experts [r E / EP, (r + 1) E / EP)
+            experts_per_rank = architecture.moe.num_experts // layout.expert_model_parallel_size
+            expert_owner = expert_index(entry.megatron_name) // experts_per_rank
         specs.append(ParameterSpec(
             megatron_name=entry.megatron_name,
             hf_tensors=_hf_layouts(entry, architecture, tp_size),
@@ -76,6 +80,7 @@ def parameter_specs(
             virtual_pipeline_rank=chunk,
             tensor_parallel_dim=entry.tensor_parallel_dim,
             fused=FusedKind(entry.fused.value),
+            expert_owner=expert_owner,
         ))
     return specs
 
@@ -88,9 +93,10 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 
 
 def local_parameters(
-    model_chunks: Sequence[torch.nn.Module], specs: Sequence[ParameterSpec], pipeline_rank: int
+    model_chunks: Sequence[torch.nn.Module], specs: Sequence[ParameterSpec], pipeline_rank: int, expert_rank: int = 0
 ) -> dict[str, torch.Tensor]:
-    """This rank's parameters by global Megatron name, checked against the specs' owners."""
+    """This rank's parameters by global Megatron name, checked against the specs' owners (pipeline
+    stage, and expert-parallel rank for MoE experts)."""
     by_name = {spec.megatron_name: spec for spec in specs}
     result: dict[str, torch.Tensor] = {}
     for vp, chunk in enumerate(model_chunks):
@@ -103,9 +109,12 @@ def local_parameters(
                     f"{name} sits on pipeline stage {pipeline_rank} chunk {vp}, but the layout puts it on "
                     f"stage {spec.pipeline_rank} chunk {spec.virtual_pipeline_rank} (non-uniform layer split?)"
                 )
+            if spec.expert_owner not in (None, expert_rank):
+                raise ValueError(f"{name} sits on expert-parallel rank {expert_rank}, the layout puts it on "
+                                 f"{spec.expert_owner}")
             result[name] = param
-    missing = [s.megatron_name for s in specs
-               if s.pipeline_rank == pipeline_rank and s.megatron_name not in result]
+    missing = [s.megatron_name for s in specs if s.pipeline_rank == pipeline_rank
+               and s.expert_owner in (None, expert_rank) and s.megatron_name not in result]
     if missing:
         raise ValueError(f"pipeline stage {pipeline_rank} lacks parameters the layout gives it: {missing[:5]}")
     return result

@@ -78,13 +78,15 @@ class WeightSynchronizer:
         self.layout = HybridLayout(training, generation)
         self.rank = dist.get_rank()
         stage = training.coordinates(self.rank).pipeline
-        if stage != parallel_state.get_pipeline_model_parallel_rank():
+        if (stage, training.coordinates(self.rank).expert) != (parallel_state.get_pipeline_model_parallel_rank(),
+                                                                parallel_state.get_expert_model_parallel_rank()):
             raise ValueError("megatron's parallel state does not match the layout's rank order")
         self.specs = parameter_specs(architecture, training)
         self.dtype = getattr(torch, rollout.dtype)
         self.plan = ReshardPlan(self.layout, self.specs, ReshardTarget(target), self.dtype)
         self.groups = build_groups(self.layout, self.plan.tensor_gather_size)
-        self._parameters = local_parameters(self.model_chunks, self.specs, stage)
+        self._parameters = local_parameters(self.model_chunks, self.specs, stage,
+                                            training.coordinates(self.rank).expert)
         self.executor = ReshardExecutor(
             self.plan, self.groups, lambda spec: self._parameters[spec.megatron_name], device=device()
         )

@@ -105,9 +105,7 @@ class ReshardExecutor:
         self.device = torch.device(device)
         self.rank = groups.rank
         self.steps = plan.steps(self.rank)
-        coordinates = plan.layout.training.coordinates(self.rank)
-        self._fingerprint_primary = coordinates.data == 0 and coordinates.context == 0
-        self._tensor_rank = coordinates.tensor
+        self._tensor_rank = plan.layout.training.coordinates(self.rank).tensor
         self.stats = ReshardStats()
         self.expected_fingerprints: dict[str, torch.Tensor] | None = None
         self._live_bytes = 0
@@ -185,14 +183,13 @@ class ReshardExecutor:
         chunks_by_spec: dict[int, list[torch.Tensor]] = {}
         handles = []
         early_gathers = []
+        received = self._expert_phase(bucket, chunks_by_spec)
         for index in bucket:
             steps = self.steps[index]
             tensor = steps.tensor
             if steps.need.length == 0:  # ReshardTarget.STAGE off the tensor's stage: nothing to do
-                if steps.local is not None and fingerprint_rows is not None:
-                    spec = self.plan.specs[tensor.spec_index]
-                    chunk = hf_chunks_of_shard(spec, self.local_shard(spec).detach())[tensor.hf_index]
-                    self._fingerprint_local(steps, chunk, fingerprint_rows)
+                if steps.held is not None and fingerprint_rows is not None:
+                    self._fingerprint_local(steps, self._held_chunk(steps, chunks_by_spec), fingerprint_rows)
                 continue
             staging = _Staging(steps)
             if steps.gather and tensor.dim != 0:
@@ -202,15 +199,16 @@ class ReshardExecutor:
                 staging.out = self._allocate(tensor.slice_shape(steps.need))
             local_chunk = None
             if steps.local is not None:
-                if tensor.spec_index not in chunks_by_spec:
-                    spec = self.plan.specs[tensor.spec_index]
-                    chunks_by_spec[tensor.spec_index] = hf_chunks_of_shard(spec, self.local_shard(spec).detach())
-                local_chunk = chunks_by_spec[tensor.spec_index][tensor.hf_index]
+                if index in received:
+                    local_chunk = received[index]
+                    staging.temporaries.append(local_chunk)
+                else:
+                    local_chunk = self._held_chunk(steps, chunks_by_spec)
                 self._check_local_shape(steps, local_chunk)
                 kept = steps.need.intersect(steps.local)
                 if kept.length > 0:
                     staging.slot(kept).copy_(self._narrow(steps, local_chunk, steps.local, kept))
-                if fingerprint_rows is not None:
+                if fingerprint_rows is not None and steps.held is not None:
                     self._fingerprint_local(steps, local_chunk, fingerprint_rows)
             handles.extend(self._issue_pipeline(staging, local_chunk))
             if steps.gather and not steps.receives_in_pipeline_phase:
@@ -219,6 +217,39 @@ class ReshardExecutor:
         for staging in early_gathers:
             handles.append(self._issue_gather(staging))
         return {"stagings": stagings, "handles": handles, "early": {id(s) for s in early_gathers}}
+
+    def _held_chunk(self, steps: TensorSteps, chunks_by_spec: dict[int, list[torch.Tensor]]) -> torch.Tensor:
+        """This rank's own training slice of the tensor (a view of its parameter)."""
+        index = steps.tensor.spec_index
+        if index not in chunks_by_spec:
+            spec = self.plan.specs[index]
+            chunks_by_spec[index] = hf_chunks_of_shard(spec, self.local_shard(spec).detach())
+        return chunks_by_spec[index][steps.tensor.hf_index]
+
+    def _expert_phase(self, bucket: list[int], chunks_by_spec: dict) -> dict[int, torch.Tensor]:
+        """Send the experts this rank holds to the expert ranks that need them and receive the others
+        (point-to-point, posted in bucket order on both sides, complete before phase 1)."""
+        handles, copies, received = [], [], {}
+        element = self.plan.element_size
+        for index in bucket:
+            steps = self.steps[index]
+            if steps.expert_sends:
+                copy = self._converted(self._held_chunk(steps, chunks_by_spec))
+                copies.append(copy)
+                for destination, _ in steps.expert_sends:
+                    handles.append(dist.isend(copy, dst=destination))
+                    self.stats.bytes_sent += copy.numel() * element
+            if steps.expert_receive is not None:
+                source, span = steps.expert_receive
+                buffer = self._allocate(steps.tensor.slice_shape(span))
+                handles.append(dist.irecv(buffer, src=source))
+                self.stats.bytes_received += buffer.numel() * element
+                received[index] = buffer
+        for handle in handles:
+            handle.wait()
+        for copy in copies:
+            self._free(copy)
+        return received
 
     def _finish(self, pending: dict) -> list[WeightShard]:
         for handle in pending["handles"]:
@@ -325,7 +356,7 @@ class ReshardExecutor:
     def _fingerprint_local(self, steps: TensorSteps, chunk: torch.Tensor, rows: torch.Tensor) -> None:
         """Add this rank's real rows to the export fingerprint (one primary holder per slice)."""
         tensor = steps.tensor
-        if not self._fingerprint_primary or (tensor.dim is None and self._tensor_rank != 0):
+        if not self.plan.fingerprint_holder(tensor, self.rank) or (tensor.dim is None and self._tensor_rank != 0):
             return
         real = tensor.real(steps.local)
         if real.length == 0:

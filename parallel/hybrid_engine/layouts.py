@@ -21,6 +21,12 @@ already holds for training:
 
 Context-parallel ranks hold the same weights as each other, so for generation they are further
 replicas: a training data-parallel rank (C model-parallel groups) serves C * P * T / tg replicas.
+
+Expert parallelism (E ranks) splits the experts of MoE layers over the data/context-parallel
+ranks: megatron's expert layout "tp-ep-dp-pp" (expert TP = T) gives the rank with
+f = cp + C * dp the expert-parallel rank f % E and the expert-data-parallel rank f // E. Every
+generation replica serves all experts, so the reshard first completes each stage's experts on
+every expert-parallel rank (the expert phase, see ``plan``).
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ class TrainingCoordinates:
     context: int
     data: int
     pipeline: int
+    expert: int = 0  # expert-parallel rank: which experts of the MoE layers it holds
+    expert_data: int = 0  # expert-data-parallel rank
 
 
 @dataclass(frozen=True)
@@ -81,10 +89,11 @@ class TrainingLayout:
     data_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None
     context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
-                     "context_parallel_size"):
+                     "context_parallel_size", "expert_model_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LayoutError(f"TrainingLayout.{name} must be an integer >= 1, got {value!r}")
@@ -94,17 +103,13 @@ class TrainingLayout:
     @classmethod
     def from_parallel_layout(cls, layout: ParallelLayout, world_size: int) -> "TrainingLayout":
         """The training layout of ``layout`` on ``world_size`` ranks (data parallelism derived)."""
-        if layout.expert_model_parallel_size != 1:
-            raise LayoutError(
-                f"the HybridEngine reshards dense models only; expert_model_parallel_size="
-                f"{layout.expert_model_parallel_size} is not supported"
-            )
         return cls(
             tensor_model_parallel_size=layout.tensor_model_parallel_size,
             pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
             data_parallel_size=layout.data_parallel_size(world_size),
             virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
             context_parallel_size=layout.context_parallel_size,
+            expert_model_parallel_size=layout.expert_model_parallel_size,
         )
 
     @property
@@ -114,6 +119,7 @@ class TrainingLayout:
             pipeline_model_parallel_size=self.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
             context_parallel_size=self.context_parallel_size,
+            expert_model_parallel_size=self.expert_model_parallel_size,
         )
 
     @property
@@ -131,13 +137,21 @@ class TrainingLayout:
         tp, rest = rank % self.tensor_model_parallel_size, rank // self.tensor_model_parallel_size
         cp, rest = rest % self.context_parallel_size, rest // self.context_parallel_size
         dp, pp = rest % self.data_parallel_size, rest // self.data_parallel_size
-        return TrainingCoordinates(tensor=tp, context=cp, data=dp, pipeline=pp)
+        flat = cp + self.context_parallel_size * dp
+        ep = self.expert_model_parallel_size
+        return TrainingCoordinates(tensor=tp, context=cp, data=dp, pipeline=pp, expert=flat % ep, expert_data=flat // ep)
 
     def rank(self, tensor: int, context: int, data: int, pipeline: int) -> int:
         """The global rank at training coordinates (inverse of ``coordinates``)."""
         return tensor + self.tensor_model_parallel_size * (
             context + self.context_parallel_size * (data + self.data_parallel_size * pipeline)
         )
+
+    def expert_peer(self, rank: int, expert: int) -> int:
+        """The rank with ``rank``'s tensor, pipeline and expert-data coordinates on expert rank ``expert``."""
+        c = self.coordinates(rank)
+        flat = expert + self.expert_model_parallel_size * c.expert_data
+        return self.rank(c.tensor, flat % self.context_parallel_size, flat // self.context_parallel_size, c.pipeline)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -293,8 +307,9 @@ class HybridLayout:
         t = self.training
         vpp = f",vpp{t.virtual_pipeline_model_parallel_size}" if t.virtual_pipeline_model_parallel_size else ""
         cp = f",cp{t.context_parallel_size}" if t.context_parallel_size > 1 else ""
+        ep = f",ep{t.expert_model_parallel_size}" if t.expert_model_parallel_size > 1 else ""
         return (f"pp{t.pipeline_model_parallel_size},tp{t.tensor_model_parallel_size},dp{t.data_parallel_size}"
-                f"{vpp}{cp}->tp_gen{self.generation.tensor_model_parallel_size}")
+                f"{vpp}{cp}{ep}->tp_gen{self.generation.tensor_model_parallel_size}")
 
 
 def lcm(a: int, b: int) -> int:

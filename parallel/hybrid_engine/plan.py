@@ -7,6 +7,12 @@ TP dimension d, and a rank at training coordinates (stage i, TP rank t):
 - needs: the whole tensor (``ReshardTarget.FULL``) or generation slice g of tg (``SHARDED``);
   with ``STAGE`` the whole tensor if i == o on data-parallel rank 0, else nothing (no phase 1).
 
+Before them, an MoE expert's tensor is held only by its expert-parallel rank (``ParameterSpec.
+expert_owner``): the expert phase sends the owner's training slice t point-to-point to the ranks of
+the same (stage, TP rank, expert-data rank) on the other expert ranks that need a part of it, which
+then act as holders in the two phases below (with a FULL or tg <= T SHARDED target each such rank
+needs all of slice t, so the expert phase moves no byte above the lower bound).
+
 Two phases move exactly the missing slices (each needed slice is received once, none twice):
 
 1. pipeline (ranks with i != o): from (o, t) the part of training slice t the rank needs, by one
@@ -56,6 +62,7 @@ class PlannedTensor:
     layout: HFTensorLayout
     dim: int | None
     pipeline_rank: int
+    expert_owner: int | None = None
 
     @property
     def name(self) -> str:
@@ -89,7 +96,8 @@ class TensorSteps:
     tensor: PlannedTensor
     # The range this rank ends up with (its output).
     need: SliceRange
-    # The training slice this rank holds and copies from its own shard (None: it holds nothing).
+    # The training slice this rank has when phase 1 starts: its own shard, or (expert_receive) the
+    # expert owner's; None: it has nothing.
     local: SliceRange | None
     # Phase 1 by broadcast in the pipeline group: (source rank, range); the source takes part too.
     broadcast: tuple[int, SliceRange] | None = None
@@ -99,6 +107,14 @@ class TensorSteps:
     # Phase 2: slices of the all-gather block members in member order, and this rank's position.
     gather: tuple[SliceRange, ...] = ()
     gather_position: int = 0
+    # The expert phase: the slice received from the expert's owner, or the peers the owner sends to.
+    expert_receive: tuple[int, SliceRange] | None = None
+    expert_sends: tuple[tuple[int, SliceRange], ...] = ()
+
+    @property
+    def held(self) -> SliceRange | None:
+        """The training slice this rank holds itself (before any transfer)."""
+        return None if self.expert_receive is not None else self.local
 
     @property
     def receives_in_pipeline_phase(self) -> bool:
@@ -116,7 +132,7 @@ class RankTraffic:
     output: int = 0  # real bytes the rank ends up with
     held: int = 0  # real bytes of the training shard it starts from
     hybridflow_bound: float = 0.0
-    by_phase: dict = field(default_factory=lambda: {"pipeline": 0, "tensor": 0})
+    by_phase: dict = field(default_factory=lambda: {"expert": 0, "pipeline": 0, "tensor": 0})
 
 
 class ReshardPlan:
@@ -143,7 +159,8 @@ class ReshardPlan:
         for spec_index, spec in enumerate(self.specs):
             for hf_index, hf in enumerate(spec.hf_tensors):
                 self.tensors.append(PlannedTensor(
-                    len(self.tensors), spec_index, hf_index, hf, spec.tensor_parallel_dim, spec.pipeline_rank
+                    len(self.tensors), spec_index, hf_index, hf, spec.tensor_parallel_dim, spec.pipeline_rank,
+                    spec.expert_owner,
                 ))
         if self.target in (ReshardTarget.FULL, ReshardTarget.STAGE):
             self.tensor_gather_size = self.tp
@@ -163,6 +180,9 @@ class ReshardPlan:
                 raise LayoutError(
                     f"{spec.megatron_name}: virtual_pipeline_rank {spec.virtual_pipeline_rank} outside {vpp} chunks"
                 )
+            experts = self.layout.training.expert_model_parallel_size
+            if spec.expert_owner is not None and not 0 <= spec.expert_owner < experts:
+                raise LayoutError(f"{spec.megatron_name}: expert_owner {spec.expert_owner} outside {experts} expert ranks")
             check_divisible(spec, self.tp, f"tensor_model_parallel_size={self.tp}")
             if self.target is ReshardTarget.SHARDED:
                 parts = lcm(self.tp, self.tg)
@@ -189,11 +209,21 @@ class ReshardPlan:
         c = self.layout.training.coordinates(rank)
         return c.pipeline == stage and c.data == 0 and c.context == 0
 
-    def hold(self, tensor: PlannedTensor, rank: int) -> SliceRange | None:
+    def hold(self, tensor: PlannedTensor, rank: int, *, after_expert_phase: bool = False) -> SliceRange | None:
+        """The training slice ``rank`` holds (with ``after_expert_phase``: also another expert rank's)."""
         c = self.layout.training.coordinates(rank)
         if c.pipeline != tensor.pipeline_rank:
             return None
+        if tensor.expert_owner not in (None, c.expert) and not after_expert_phase:
+            return None
         return chunk_range(tensor.layout, tensor.dim, c.tensor, self.tp if tensor.dim is not None else 1)
+
+    def fingerprint_holder(self, tensor: PlannedTensor, rank: int) -> bool:
+        """Whether ``rank``'s own slice of ``tensor`` goes into the export fingerprint (one rank per slice)."""
+        c = self.layout.training.coordinates(rank)
+        if tensor.expert_owner is not None:
+            return c.expert == tensor.expert_owner and c.expert_data == 0
+        return c.data == 0 and c.context == 0
 
     def _pipeline_receive_range(self, tensor: PlannedTensor, rank: int) -> SliceRange:
         """What a non-owner rank gets in phase 1: the part of its TP index's training slice it needs."""
@@ -213,6 +243,15 @@ class ReshardPlan:
         c = training.coordinates(rank)
         owner = training.rank(c.tensor, c.context, c.data, tensor.pipeline_rank)
         need, local = self.need(tensor, rank), self.hold(tensor, rank)
+        expert_receive, expert_sends = None, ()
+        if tensor.expert_owner is not None and c.pipeline == tensor.pipeline_rank:
+            stage_slice = self.hold(tensor, rank, after_expert_phase=True)
+            peers = [training.expert_peer(rank, e) for e in range(training.expert_model_parallel_size)]
+            if local is None and need.length > 0:
+                expert_receive, local = (peers[tensor.expert_owner], stage_slice), stage_slice
+            elif local is not None:
+                expert_sends = tuple((peer, stage_slice) for peer in peers
+                                     if peer != rank and self.need(tensor, peer).length > 0)
         others = [training.rank(c.tensor, c.context, c.data, stage)
                   for stage in range(self.pp) if stage != tensor.pipeline_rank]
         if self.target is ReshardTarget.STAGE:
@@ -234,7 +273,8 @@ class ReshardPlan:
             first = c.tensor // size * size
             gather = tuple(chunk_range(tensor.layout, tensor.dim, first + i, self.tp) for i in range(size))
             position = c.tensor - first
-        return TensorSteps(tensor, need, local, broadcast, receive, sends, gather, position)
+        return TensorSteps(tensor, need, local, broadcast, receive, sends, gather, position, expert_receive,
+                           expert_sends)
 
     # ------------------------------------------------------------------ bytes
 
@@ -253,6 +293,10 @@ class ReshardPlan:
         if steps.broadcast is not None and steps.local is not None:
             outgoing.append(steps.broadcast[1])
         out += sum(self._bytes(steps.tensor, span) for span in outgoing if not self.within(span, steps.need))
+        if steps.expert_receive is not None:
+            out += self._bytes(steps.tensor, steps.expert_receive[1])
+        if steps.expert_sends:  # one converted copy serves every peer
+            out += self._bytes(steps.tensor, steps.expert_sends[0][1])
         return out
 
     @staticmethod
@@ -265,13 +309,16 @@ class ReshardPlan:
         world_model_bytes = 0
         for steps in self.steps(rank):
             tensor = steps.tensor
-            real_need, real_held = tensor.real(steps.need), tensor.real(steps.local) if steps.local else None
+            real_need, real_held = tensor.real(steps.need), tensor.real(steps.held) if steps.held else None
             overlap = real_need.intersect(real_held) if real_held else None
             result.output += self._bytes(tensor, real_need)
             result.held += self._bytes(tensor, real_held)
             result.lower_bound += self._bytes(tensor, real_need) - self._bytes(tensor, overlap)
             world_model_bytes += self._bytes(tensor, SliceRange(0, tensor.real_length))
-            pipeline = tensor_phase = sent = 0
+            pipeline = tensor_phase = sent = expert = 0
+            if steps.expert_receive is not None:
+                expert += self._bytes(tensor, steps.expert_receive[1])
+            sent += sum(self._bytes(tensor, span) for _, span in steps.expert_sends)
             if steps.broadcast is not None:
                 source, span = steps.broadcast
                 if rank == source:
@@ -285,8 +332,9 @@ class ReshardPlan:
                 mine = self._bytes(tensor, steps.gather[steps.gather_position])
                 tensor_phase += sum(self._bytes(tensor, span) for span in steps.gather) - mine
                 sent += mine * (len(steps.gather) - 1)
-            result.received += pipeline + tensor_phase
+            result.received += expert + pipeline + tensor_phase
             result.sent += sent
+            result.by_phase["expert"] += expert
             result.by_phase["pipeline"] += pipeline
             result.by_phase["tensor"] += tensor_phase
         result.hybridflow_bound = (self.tp * self.pp - self.tg) / (self.tg * self.tp * self.pp) * world_model_bytes

@@ -75,6 +75,8 @@ class ParameterSpec:
     # Dimension split by tensor parallelism (the same in Megatron and HF layout); None: replicated.
     tensor_parallel_dim: int | None = None
     fused: FusedKind = FusedKind.NONE
+    # An MoE expert's weight: the expert-parallel rank that holds it (None: every one does).
+    expert_owner: int | None = None
 
     def __post_init__(self) -> None:
         expected = {FusedKind.NONE: 1, FusedKind.QKV: 3, FusedKind.GATE_UP: 2}[self.fused]

@@ -1,6 +1,6 @@
 """Worker: the HybridEngine weight sync of a real megatron-core actor, for several layouts per launch.
 
-For each case "pp,tp,vpp,tp_gen" (world size = nproc; vpp 0 = none), re-initialising megatron's
+For each case "pp,tp,vpp,tp_gen[,ep]" (world size = nproc; vpp 0 = none; ep: expert parallel), re-initialising megatron's
 parallel state between cases:
 - megatron's own rank groups equal the TrainingLayout rank map;
 - actor chunks are built with megatron's random init; the reference is the models engineer's
@@ -31,8 +31,9 @@ MAX_NEW_TOKENS = 5
 
 
 def parse_case(text: str):
-    pp, tp, vpp, tg = (int(x) for x in text.split(","))
-    return pp, tp, vpp or None, tg
+    values = [int(x) for x in text.split(",")]
+    pp, tp, vpp, tg, ep = values + [1][len(values) - 4:]
+    return pp, tp, vpp or None, tg, ep
 
 
 def check_rank_map(training) -> None:
@@ -42,6 +43,7 @@ def check_rank_map(training) -> None:
     actual = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_context_parallel_rank(),
               parallel_state.get_data_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank())
     assert actual == (c.tensor, c.context, c.data, c.pipeline), (actual, c)
+    assert parallel_state.get_expert_model_parallel_rank() == c.expert, (parallel_state.get_expert_model_parallel_rank(), c)
     mine = [training.rank(c.tensor, c.context, c.data, p) for p in range(training.pipeline_model_parallel_size)]
     theirs = torch.distributed.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
     assert mine == theirs, (mine, theirs)
@@ -117,9 +119,9 @@ def run_case(case: str, hf_dir: str, bucket_megabytes: float, engine_name: str, 
     from parallel.layout import ParallelLayout
     from parallel.state import initialize_model_parallel
 
-    pp, tp, vpp, tg = parse_case(case)
+    pp, tp, vpp, tg, ep = parse_case(case)
     layout = ParallelLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                            virtual_pipeline_model_parallel_size=vpp)
+                            virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     initialize_model_parallel(layout, seed=3)
