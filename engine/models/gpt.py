@@ -1,4 +1,4 @@
-"""megatron-core GPTModel chunks for an HF Llama / Qwen2 / Qwen3 config, as actor/reference or critic.
+"""megatron-core GPTModel chunks for a supported HF config (engine.models.hf_config), as actor/reference or critic.
 
 ``build_model_chunks`` returns one GPTModel per virtual pipeline stage held by this rank (a list of
 one without virtual pipelining), after ``parallel.state.initialize_model_parallel(layout)``. Each

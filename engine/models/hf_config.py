@@ -1,8 +1,9 @@
 """From a Hugging Face config (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral) to megatron-core's TransformerConfig.
 
 ``ModelArchitecture`` is the single, validated reading of the HF config: model dimensions, RoPE,
-biases, per-head q/k norms, the Mixture-of-Experts layers, tied embeddings and the TP vocab padding. The weight mapping, the model builder and the
-checkpoint code all read it; nothing else parses HF configs.
+biases, per-head q/k norms, the Mixture-of-Experts layers, tied embeddings and the TP vocab padding.
+The weight mapping, the model builder and the checkpoint code all read it; nothing else parses HF
+configs.
 """
 
 from __future__ import annotations

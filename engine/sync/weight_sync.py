@@ -77,22 +77,22 @@ class WeightSynchronizer:
         generation = GenerationLayout(1 if self.disaggregated else rollout.tensor_model_parallel_size)
         self.layout = HybridLayout(training, generation)
         self.rank = dist.get_rank()
-        stage = training.coordinates(self.rank).pipeline
-        if (stage, training.coordinates(self.rank).expert) != (parallel_state.get_pipeline_model_parallel_rank(),
-                                                                parallel_state.get_expert_model_parallel_rank()):
+        coordinates = training.coordinates(self.rank)
+        stage = coordinates.pipeline
+        if (stage, coordinates.expert) != (parallel_state.get_pipeline_model_parallel_rank(),
+                                           parallel_state.get_expert_model_parallel_rank()):
             raise ValueError("megatron's parallel state does not match the layout's rank order")
         self.specs = parameter_specs(architecture, training)
         self.dtype = getattr(torch, rollout.dtype)
         self.plan = ReshardPlan(self.layout, self.specs, ReshardTarget(target), self.dtype)
         self.groups = build_groups(self.layout, self.plan.tensor_gather_size)
-        self._parameters = local_parameters(self.model_chunks, self.specs, stage,
-                                            training.coordinates(self.rank).expert)
+        self._parameters = local_parameters(self.model_chunks, self.specs, stage, coordinates.expert)
         self.executor = ReshardExecutor(
             self.plan, self.groups, lambda spec: self._parameters[spec.megatron_name], device=device()
         )
         self.is_replica_leader = self.layout.generation_coordinates(self.rank).tensor == 0
         # The ranks that hand weights to an engine (the others only take part in the collectives).
-        self.pushes_weights = (self.plan.sends_stage(stage, self.rank) and training.coordinates(self.rank).tensor == 0
+        self.pushes_weights = (self.plan.sends_stage(stage, self.rank) and coordinates.tensor == 0
                                if self.disaggregated else self.is_replica_leader)
         self.traffic = self.plan.traffic(self.rank)
 

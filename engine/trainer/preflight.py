@@ -20,12 +20,12 @@ from engine.config.experiment import ExperimentConfig
 def check_inputs(cfg: ExperimentConfig, *, data: bool = True) -> None:
     """Raise ``InputError`` (or ``PromptSchemaError`` for a data row) on the first unusable input."""
     model = cfg.actor_rollout_ref.model
-    check_model_folder("actor_rollout_ref.model.path", model.path)
-    check_trainable_layout(model.path, cfg.actor_rollout_ref.actor.megatron, "actor_rollout_ref.actor.megatron")
+    architecture = check_model_folder("actor_rollout_ref.model.path", model.path)
+    check_trainable_layout(architecture, cfg.actor_rollout_ref.actor.megatron, "actor_rollout_ref.actor.megatron")
     if cfg.algorithm.uses_critic:
         if cfg.critic.model.path != model.path:
-            check_model_folder("critic.model.path", cfg.critic.model.path)
-        check_trainable_layout(cfg.critic.model.path, cfg.critic.megatron, "critic.megatron")
+            architecture = check_model_folder("critic.model.path", cfg.critic.model.path)
+        check_trainable_layout(architecture, cfg.critic.megatron, "critic.megatron")
     tokenizer = load_tokenizer(model.tokenizer_path, model.trust_remote_code)
     reward = cfg.reward_model
     if reward.enable:
@@ -44,8 +44,9 @@ def check_inputs(cfg: ExperimentConfig, *, data: bool = True) -> None:
         check_reward_function(cfg, ())
 
 
-def check_model_folder(key: str, path: str) -> None:
-    """A HF model folder we can build: config.json of a supported architecture, safetensors weights."""
+def check_model_folder(key: str, path: str):
+    """A HF model folder we can build: config.json of a supported architecture, safetensors weights.
+    Returns its ``ModelArchitecture``."""
     from engine.models.hf_config import UnsupportedModelError, architecture_from_hf
 
     folder = Path(path)
@@ -54,7 +55,7 @@ def check_model_folder(key: str, path: str) -> None:
     if not folder.is_dir() or not (folder / "config.json").is_file():
         raise InputError(f"{key}={path}: not a Hugging Face model folder (no config.json)")
     try:
-        architecture_from_hf(folder)
+        architecture = architecture_from_hf(folder)
     except UnsupportedModelError as error:
         raise InputError(f"{key}={path}: {error}") from None
     except (OSError, ValueError) as error:  # an unreadable or foreign config.json
@@ -62,13 +63,14 @@ def check_model_folder(key: str, path: str) -> None:
     if not any(folder.glob("*.safetensors")):
         raise InputError(f"{key}={path}: no *.safetensors weights in the folder (convert .bin checkpoints "
                          f"with transformers' save_pretrained(..., safe_serialization=True))")
+    return architecture
 
 
-def check_trainable_layout(path: str, megatron, key: str) -> None:
-    """The model at ``path`` splits as ``key`` asks, and megatron-core can train it so."""
-    from engine.models.hf_config import UnsupportedModelError, architecture_from_hf
+def check_trainable_layout(architecture, megatron, key: str) -> None:
+    """The model splits as ``key`` asks, and megatron-core can train it so."""
+    from engine.models.hf_config import UnsupportedModelError
 
-    architecture, layout = architecture_from_hf(path), megatron.layout()
+    layout = megatron.layout()
     try:
         architecture.validate_layout(layout)
     except UnsupportedModelError as error:
