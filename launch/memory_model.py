@@ -6,7 +6,9 @@ formulas, their sources and the assumptions behind them are written up in docs/p
 Units are bytes (floats: the activation terms are averages over a sequence). Notation follows
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
 arXiv:2205.05198): s sequence length, b micro-batch size, h hidden size, a attention heads,
-t tensor-parallel size, p pipeline-parallel size, v virtual stages per pipeline rank, L layers.
+t tensor-parallel size, p pipeline-parallel size, v virtual stages per pipeline rank, L layers;
+for Mixture-of-Experts layers E experts, k experts per token, f_e an expert's intermediate size,
+e expert-parallel size (megatron's expert tensor parallelism is the TP size).
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class LayerShape:
     ``gated_linear_unit`` is SwiGLU (fc1 produces gate and up, 2 x ffn); ``dropout`` adds the
     1-byte masks of the two residual dropouts and the attention dropout; ``flash_attention`` is a
     fused kernel that saves only Q, K, V, the output and the fp32 log-sum-exp per head (Dao et al.
-    2022), instead of the [a, s, s] softmax.
+    2022), instead of the [a, s, s] softmax. ``num_experts`` > 0: the MLP is a Mixture-of-Experts
+    layer (``moe_topk`` experts of ``moe_ffn_hidden_size`` per token, SwiGLU).
     """
 
     hidden_size: int
@@ -53,10 +56,16 @@ class LayerShape:
     gated_linear_unit: bool = True
     dropout: bool = False
     flash_attention: bool = True
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
 
     @classmethod
     def from_architecture(cls, architecture: ModelArchitecture, flash_attention: bool = True) -> "LayerShape":
-        """A Llama / Qwen2 layer (SwiGLU, no dropout during RLHF training)."""
+        """A Llama / Qwen2 / Qwen3 layer (SwiGLU, no dropout during RLHF training); of an MoE model,
+        its MoE layer (every layer counts as one: the published Qwen3-MoE and Mixtral checkpoints have
+        no dense layers)."""
+        moe = architecture.moe
         return cls(
             hidden_size=architecture.hidden_size,
             num_attention_heads=architecture.num_attention_heads,
@@ -66,6 +75,9 @@ class LayerShape:
             gated_linear_unit=True,
             dropout=architecture.attention_dropout > 0,
             flash_attention=flash_attention,
+            num_experts=moe.num_experts if moe else 0,
+            moe_topk=moe.topk if moe else 0,
+            moe_ffn_hidden_size=moe.ffn_hidden_size if moe else 0,
         )
 
 
@@ -89,6 +101,12 @@ def layer_activation_bytes(
     ``recompute_granularity``: None stores everything; "selective" recomputes the core attention
     (drops the s^2 softmax terms, no effect with flash attention); "full" keeps only the layer input
     (the recomputed layer's own working set is added once per stage by the caller).
+
+    An MoE layer replaces the MLP terms: the router's logits and fp32 probabilities (E per token, on
+    the layer's sequence shard) and, for the k b s expert inputs each GPU gets under balanced routing
+    (megatron's all-to-all dispatcher gathers the expert-TP ranks' tokens), the expert fc1 input,
+    fc1 and fc2-input activations split over t, and the expert output kept to weight it by its
+    routing probability. Skewed routing gives one expert-parallel rank more rows than that.
     """
     if recompute_granularity not in RECOMPUTE_GRANULARITIES:
         raise ValueError(f"recompute_granularity must be one of {RECOMPUTE_GRANULARITIES}, got {recompute_granularity!r}")
@@ -116,9 +134,22 @@ def layer_activation_bytes(
         attention += scores * (word + mask + (word if mask else 0))
     # MLP block, split over t: fc1 output (gate and up for SwiGLU, the GeLU input otherwise) and
     # fc2's input (the activation's output).
+    if shape.num_experts:
+        router = tokens * shape.num_experts * (word + 4) / sequence_split
+        rows = tokens * shape.moe_topk
+        experts = rows * word * (2 * h + 3 * shape.moe_ffn_hidden_size / t)
+        return replicated / sequence_split + attention / t + router + experts
     fc1_width = 2 * shape.ffn_hidden_size if shape.gated_linear_unit else shape.ffn_hidden_size
     mlp = tokens * word * (fc1_width + shape.ffn_hidden_size)
     return replicated / sequence_split + (attention + mlp) / t
+
+
+def moe_dispatch_bytes(shape: LayerShape, tokens: float, tensor_model_parallel_size: int = 1,
+                       sequence_parallel: bool = False, activation_bytes: int = 2) -> float:
+    """The all-to-all token dispatcher's send and receive buffers of one MoE layer (k rows of h per
+    token of the layer's sequence shard): working memory while the layer runs, not kept for backward."""
+    sequence_split = tensor_model_parallel_size if sequence_parallel else 1
+    return 2 * tokens * shape.moe_topk * shape.hidden_size * activation_bytes / sequence_split
 
 
 def kv_cache_bytes_per_token(
@@ -135,33 +166,88 @@ def kv_cache_bytes_per_token(
 
 @dataclass(frozen=True)
 class StageParameters:
-    """Parameters one GPU holds for one pipeline stage (its TP shard)."""
+    """Parameters one GPU holds for one pipeline stage (its TP shard; its EP share of the experts)."""
 
-    transformer_layers: int
+    transformer_layers: int  # experts excluded
     embedding: int
     output_layer: int
     final_norm: int
+    experts: int = 0
 
     @property
     def total(self) -> int:
-        return self.transformer_layers + self.embedding + self.output_layer + self.final_norm
+        return self.transformer_layers + self.embedding + self.output_layer + self.final_norm + self.experts
+
+    @property
+    def dense(self) -> int:
+        """What the dense data-parallel ranks replicate (experts are replicated over expert-DP ranks)."""
+        return self.total - self.experts
 
 
-def layer_parameters(architecture: ModelArchitecture, tensor_model_parallel_size: int) -> int:
-    """One transformer layer's parameters on one TP rank (megatron's padded query groups)."""
+def stage_layers(num_layers: int, layout: ParallelLayout, pipeline_rank: int) -> list[int]:
+    """The layer indices a pipeline rank holds (all its virtual chunks; ``ParallelLayout.layer_owner``)."""
+    return [layer for layer in range(num_layers) if layout.layer_owner(layer, num_layers)[0] == pipeline_rank]
+
+
+def layer_parameters(architecture: ModelArchitecture, tensor_model_parallel_size: int, layer: int = 0) -> int:
+    """Layer ``layer``'s parameters on one TP rank (megatron's padded query groups), its experts
+    excluded (``expert_parameters``); an MoE layer's router is replicated on every rank."""
     t = tensor_model_parallel_size
     h = architecture.hidden_size
-    groups = architecture.padded_num_query_groups(t)
-    heads = groups * architecture.heads_per_query_group
-    qkv_rows = (heads + 2 * groups) * architecture.kv_channels
-    attention = h * qkv_rows + heads * architecture.kv_channels * h
+    shapes = _linear_shapes(architecture, t)
+    qkv_in, qkv_rows, _ = shapes["self_attention.linear_qkv"]
+    proj_in, _, _ = shapes["self_attention.linear_proj"]
+    attention = qkv_in * qkv_rows + proj_in * h
     if architecture.add_qkv_bias:
         attention += qkv_rows
-    mlp = h * 2 * architecture.ffn_hidden_size + architecture.ffn_hidden_size * h  # SwiGLU fc1 + fc2
     norms = 2 * h  # RMSNorm weights, replicated on every TP rank
     if architecture.qk_layernorm:
         norms += 2 * architecture.kv_channels
+    if architecture.moe is not None and layer in architecture.moe.layers:
+        return attention // t + architecture.moe.num_experts * h + norms
+    mlp = sum(fan_in * fan_out for fan_in, fan_out, _ in (shapes["mlp.linear_fc1"], shapes["mlp.linear_fc2"]))
     return (attention + mlp) // t + norms
+
+
+def _linear_shapes(architecture: ModelArchitecture, tensor_model_parallel_size: int) -> dict[str, tuple[int, int, int]]:
+    """Megatron's linear layers of a dense transformer layer, unsplit: (in, out, TP-split dim: 0 =
+    out / column-parallel, 1 = in / row-parallel), with the query groups padded for TP; SwiGLU fc1
+    holds gate and up."""
+    h, d, ffn = architecture.hidden_size, architecture.kv_channels, architecture.ffn_hidden_size
+    groups = architecture.padded_num_query_groups(tensor_model_parallel_size)
+    heads = groups * architecture.heads_per_query_group
+    return {
+        "self_attention.linear_qkv": (h, (heads + 2 * groups) * d, 0),
+        "self_attention.linear_proj": (heads * d, h, 1),
+        "mlp.linear_fc1": (h, 2 * ffn, 0),
+        "mlp.linear_fc2": (ffn, h, 1),
+    }
+
+
+def adapter_parameters(architecture: ModelArchitecture, tensor_model_parallel_size: int, rank: int,
+                       targets: tuple[str, ...], layer: int = 0) -> int:
+    """LoRA parameters of layer ``layer`` on one TP rank (``engine.models.lora``): r (in + out) per
+    adapted layer, the TP-split factor divided by t (B of column-, A of row-parallel layers)."""
+    t = tensor_model_parallel_size
+    if architecture.moe is not None and layer in architecture.moe.layers:
+        targets = tuple(target for target in targets if not target.startswith("mlp."))
+    shapes = _linear_shapes(architecture, t)
+    total = 0
+    for target in targets:
+        fan_in, fan_out, split = shapes[target]
+        total += rank * (fan_in + fan_out // t) if split == 0 else rank * (fan_in // t + fan_out)
+    return total
+
+
+def expert_parameters(architecture: ModelArchitecture, tensor_model_parallel_size: int = 1,
+                      expert_model_parallel_size: int = 1, layer: int = 0) -> int:
+    """Layer ``layer``'s expert weights on one GPU: E / e SwiGLU experts, each split over the
+    expert-TP ranks (megatron's default: the TP size); 0 for a dense layer."""
+    moe = architecture.moe
+    if moe is None or layer not in moe.layers:
+        return 0
+    experts = moe.num_experts // expert_model_parallel_size
+    return experts * 3 * architecture.hidden_size * moe.ffn_hidden_size // tensor_model_parallel_size
 
 
 def stage_parameters(
@@ -184,11 +270,14 @@ def stage_parameters(
             output_layer = architecture.hidden_size + 1
         elif not architecture.tie_word_embeddings or p > 1:
             output_layer = vocab_shard
+    layers = stage_layers(architecture.num_layers, layout, pipeline_rank)
+    e = layout.expert_model_parallel_size
     return StageParameters(
-        transformer_layers=architecture.num_layers // p * layer_parameters(architecture, t),
+        transformer_layers=sum(layer_parameters(architecture, t, layer) for layer in layers),
         embedding=embedding,
         output_layer=output_layer,
         final_norm=architecture.hidden_size if last else 0,
+        experts=sum(expert_parameters(architecture, t, e, layer) for layer in layers),
     )
 
 
@@ -198,7 +287,14 @@ def full_model_parameters(architecture: ModelArchitecture) -> int:
     embedding = architecture.vocab_size * h
     output = 0 if architecture.tie_word_embeddings else embedding
     # At TP 1 megatron pads no query group, so one layer there is the unsplit HF layer.
-    return embedding + architecture.num_layers * layer_parameters(architecture, 1) + h + output
+    layers = sum(layer_parameters(architecture, 1, layer) + expert_parameters(architecture, layer=layer)
+                 for layer in range(architecture.num_layers))
+    return embedding + layers + h + output
+
+
+def full_expert_parameters(architecture: ModelArchitecture) -> int:
+    """The experts' share of ``full_model_parameters``."""
+    return sum(expert_parameters(architecture, layer=layer) for layer in range(architecture.num_layers))
 
 
 def pipeline_layers_in_flight(
@@ -257,22 +353,40 @@ class ModelMemoryConfig:
     num_microbatches: int = 1
     flash_attention: bool = True
     offload: OffloadPolicy = field(default_factory=OffloadPolicy)
+    # LoRA: only the adapters (this rank, megatron layer names) have gradients and Adam state.
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
+
+    def adapter_parameters(self, pipeline_rank: int) -> int:
+        t = self.layout.tensor_model_parallel_size
+        return sum(adapter_parameters(self.architecture, t, self.lora_rank, self.lora_targets, layer)
+                   for layer in stage_layers(self.architecture.num_layers, self.layout, pipeline_rank))
 
     def params_bytes(self, pipeline_rank: int) -> float:
-        return stage_parameters(self.architecture, self.layout, pipeline_rank, self.value_head).total * self.params_dtype_bytes
+        stage = stage_parameters(self.architecture, self.layout, pipeline_rank, self.value_head)
+        return (stage.total + self.adapter_parameters(pipeline_rank)) * self.params_dtype_bytes
 
     def grad_bytes(self, pipeline_rank: int) -> float:
         if not self.trainable:
             return 0.0
+        if self.lora_rank:
+            return self.adapter_parameters(pipeline_rank) * self.grad_dtype_bytes
         return stage_parameters(self.architecture, self.layout, pipeline_rank, self.value_head).total * self.grad_dtype_bytes
 
     def optimizer_bytes(self, pipeline_rank: int) -> float:
-        """Adam state; the distributed optimizer shards it over data x context parallel ranks."""
+        """Adam state; the distributed optimizer shards it over the ranks that replicate each weight:
+        data x context parallel ranks, for experts the expert-data-parallel ranks (d c / e)."""
         if not self.trainable:
             return 0.0
         per_param = ADAM_MOMENT_BYTES + (FP32_MASTER_BYTES if self.params_dtype_bytes < 4 else 0)
-        shards = self.data_parallel_size * self.layout.context_parallel_size if self.use_distributed_optimizer else 1
-        return stage_parameters(self.architecture, self.layout, pipeline_rank, self.value_head).total * per_param / shards
+        stage = stage_parameters(self.architecture, self.layout, pipeline_rank, self.value_head)
+        replicas = self.data_parallel_size * self.layout.context_parallel_size
+        if self.lora_rank:
+            adapters = self.adapter_parameters(pipeline_rank)
+            return adapters * per_param / (replicas if self.use_distributed_optimizer else 1)
+        if not self.use_distributed_optimizer:
+            return stage.total * per_param
+        return (stage.dense / replicas + stage.experts / (replicas // self.layout.expert_model_parallel_size)) * per_param
 
     def _layer_bytes(self, tokens: float, recompute: str | None) -> float:
         return layer_activation_bytes(
@@ -284,6 +398,14 @@ class ModelMemoryConfig:
             recompute,
             self.params_dtype_bytes,
         )
+
+    def _working_set_bytes(self, tokens: float) -> float:
+        """The running layer: all it stores, and an MoE layer's dispatcher buffers."""
+        shape = LayerShape.from_architecture(self.architecture, self.flash_attention)
+        dispatch = moe_dispatch_bytes(shape, tokens / self.layout.context_parallel_size,
+                                      self.layout.tensor_model_parallel_size, self.layout.sequence_parallel,
+                                      self.params_dtype_bytes) if shape.num_experts else 0.0
+        return self._layer_bytes(tokens, None) + dispatch
 
     def _logit_bytes(self, tokens: float, training: bool) -> float:
         if self.value_head:
@@ -301,7 +423,7 @@ class ModelMemoryConfig:
             self.architecture.num_layers, self.layout, self.num_microbatches, pipeline_rank
         )
         stored = stored_layers * self._layer_bytes(tokens, self.recompute_granularity)
-        working_set = self._layer_bytes(tokens, None)
+        working_set = self._working_set_bytes(tokens)
         last = pipeline_rank == self.layout.pipeline_model_parallel_size - 1
         return stored + working_set + (self._logit_bytes(tokens, training=True) if last else 0.0)
 
@@ -309,7 +431,7 @@ class ModelMemoryConfig:
         """Peak of a forward-only pass (log-probs, values): one layer's working set + logits."""
         tokens = self.forward_tokens_per_microbatch
         last = pipeline_rank == self.layout.pipeline_model_parallel_size - 1
-        return self._layer_bytes(tokens, None) + (self._logit_bytes(tokens, training=False) if last else 0.0)
+        return self._working_set_bytes(tokens) + (self._logit_bytes(tokens, training=False) if last else 0.0)
 
 
 @dataclass(frozen=True)
@@ -344,7 +466,12 @@ class HybridEngineSync:
     """Bytes per GPU of one training -> generation weight sync.
 
     ``received_bytes``: what HybridFlow's grouping (arXiv:2409.19256, sec. 5.3) moves into each
-    GPU, (t p - t_g p_g) / (t_g p_g t p) * M; ``gather_all_bytes``: the gather-everything
+    GPU: the engine shard M / (t_g p_g) minus what the GPU holds of it already. With t_g <= t that is
+    its whole training shard M / (t p), HybridFlow's (t p - t_g p_g) / (t_g p_g t p) * M; with
+    t_g > t the engine slice of each layer is inside the training slice, so it holds the slices of
+    its own stage's layers only: M / (t_g p). Experts, of which a GPU trains 1 / e of its stage's,
+    are counted the same way with p e in place of p (the HybridEngine's expert phase completes them
+    first). ``gather_all_bytes``: the gather-everything
     baseline (DeepSpeed-Chat), (t p d - 1) / (t p d) * M; ``engine_shard_bytes``: the generation
     shard each GPU ends up holding, M / (t_g p_g), pushed in ``buckets`` buckets.
     """
@@ -365,11 +492,14 @@ def hybrid_engine_sync(
 ) -> HybridEngineSync:
     """The HybridEngine transition cost for the actor (``full_model_parameters`` x weight dtype)."""
     t, p = train_layout.tensor_model_parallel_size, train_layout.pipeline_model_parallel_size
+    e = train_layout.expert_model_parallel_size
     tg, pg = rollout.tensor_model_parallel_size, rollout.pipeline_model_parallel_size
     model_bytes = full_model_parameters(architecture) * rollout.weight_dtype_bytes
+    expert_bytes = full_expert_parameters(architecture) * rollout.weight_dtype_bytes
     engine_shard = model_bytes / (tg * pg)
     bucket = rollout.update_weights_bucket_megabytes * MIB
-    received = max(0, t * p - tg * pg) / (tg * pg * t * p) * model_bytes
+    held = (model_bytes - expert_bytes) / (p * max(t, tg)) + expert_bytes / (p * e * max(t, tg))
+    received = max(0.0, engine_shard - held)
     gather_all = (world_size - 1) / world_size * model_bytes
     return HybridEngineSync(
         model_bytes=model_bytes,

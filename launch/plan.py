@@ -72,6 +72,19 @@ _QWEN3_8B = dict(
     max_position_embeddings=40960, tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
     use_sliding_window=False,
 )
+_QWEN3_30B_A3B = dict(
+    model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+    num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936, rope_theta=1000000.0,
+    rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False, hidden_act="silu",
+    attention_bias=False, use_sliding_window=False,
+)
+_MIXTRAL_8X7B = dict(
+    model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, rope_theta=1000000.0,
+    rms_norm_eps=1e-5, max_position_embeddings=32768, tie_word_embeddings=False, hidden_act="silu",
+    sliding_window=None, router_jitter_noise=0.0,
+)
 _SMOLLM2_135M = dict(
     model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
     num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, rms_norm_eps=1e-5,
@@ -95,6 +108,10 @@ KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b-instruct": _QWEN25_05B,
     "qwen3-8b": _QWEN3_8B,
     "qwen3-8b-base": _QWEN3_8B,
+    "qwen3-30b-a3b": _QWEN3_30B_A3B,
+    "qwen3-30b-a3b-base": _QWEN3_30B_A3B,
+    "mixtral-8x7b-v0.1": _MIXTRAL_8X7B,
+    "mixtral-8x7b-instruct-v0.1": _MIXTRAL_8X7B,
     "smollm2-135m-instruct": _SMOLLM2_135M,
 }
 
@@ -108,13 +125,7 @@ def resolve_architecture(model_path: str, path_key: str) -> tuple[ModelArchitect
     folder = Path(model_path)
     try:
         if (folder / "config.json").is_file():
-            architecture, source = architecture_from_hf(folder), str(folder / "config.json")
-            if architecture.moe is not None:
-                raise PlanError(
-                    f"{path_key}={model_path}: {architecture.model_type} is a Mixture-of-Experts model, and "
-                    "launch.plan does not model MoE memory yet (experts per expert-parallel rank, token dispatch)"
-                )
-            return architecture, source
+            return architecture_from_hf(folder), str(folder / "config.json")
         known = KNOWN_ARCHITECTURES.get(folder.name.lower())
         if known is None:
             raise PlanError(
@@ -177,11 +188,22 @@ def _check_split(architecture: ModelArchitecture, megatron: MegatronConfig, key:
         raise PlanError(f"{key}: {err}") from None
 
 
+def _offload(megatron) -> OffloadPolicy:
+    return OffloadPolicy(megatron.param_offload, megatron.grad_offload, megatron.optimizer_offload)
+
+
+def _lora(model) -> dict:
+    """``ModelMemoryConfig``'s LoRA fields for ``actor_rollout_ref.model``."""
+    settings = model.lora_settings(seed=0)
+    return {} if settings is None else {"lora_rank": settings.rank, "lora_targets": settings.megatron_layers()}
+
+
 def memory_inputs(config: ExperimentConfig, world_size: int) -> tuple[list[ModelMemoryConfig], RolloutMemoryConfig, str]:
     """The memory model's view of a validated experiment on ``world_size`` ranks.
 
-    Nothing is offloaded: the engine has no offload switches yet (engine/config has no
-    ``*_offload`` keys), so every role's parameters, gradients and optimizer state stay resident.
+    Offload follows the config's ``...megatron.param_offload / grad_offload / optimizer_offload``
+    (actor, critic) and ``actor_rollout_ref.ref.megatron.param_offload``: an offloaded part counts
+    only in the phases that use it.
     """
     arr = config.actor_rollout_ref
     actor, rollout = arr.actor, arr.rollout
@@ -208,16 +230,18 @@ def memory_inputs(config: ExperimentConfig, world_size: int) -> tuple[list[Model
             num_microbatches=_num_microbatches(actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu,
                                                actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
                                                actor_dp, config),
-            offload=OffloadPolicy(),
+            offload=_offload(actor.megatron),
+            **_lora(arr.model),
         )
     ]
-    if actor.use_kl_loss or config.algorithm.use_kl_in_reward:
+    # With LoRA the reference is the actor with its adapters off: no model of its own.
+    if (actor.use_kl_loss or config.algorithm.use_kl_in_reward) and not arr.model.lora_rank:
         models.append(ModelMemoryConfig(
             role="ref", architecture=architecture, layout=actor_layout, data_parallel_size=actor_dp,
             trainable=False, params_dtype_bytes=param_bytes,
             forward_tokens_per_microbatch=_tokens(actor.use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu,
                                                   arr.ref.log_prob_micro_batch_size_per_gpu, config),
-            sequence_length=seq_len, offload=OffloadPolicy(),
+            sequence_length=seq_len, offload=OffloadPolicy(param_offload=arr.ref.megatron.param_offload),
         ))
     if config.algorithm.uses_critic:
         critic = config.critic
@@ -238,7 +262,7 @@ def memory_inputs(config: ExperimentConfig, world_size: int) -> tuple[list[Model
             num_microbatches=_num_microbatches(critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu,
                                                critic.ppo_mini_batch_size, critic.ppo_micro_batch_size_per_gpu,
                                                critic_dp, config),
-            offload=OffloadPolicy(),
+            offload=_offload(critic.megatron),
         ))
     rollout_config = RolloutMemoryConfig(
         tensor_model_parallel_size=rollout.tensor_model_parallel_size,
@@ -290,6 +314,8 @@ def _layout_text(model: ModelMemoryConfig) -> str:
         parts.append(f"VPP{layout.virtual_pipeline_model_parallel_size}")
     if layout.context_parallel_size > 1:
         parts.append(f"CP{layout.context_parallel_size}")
+    if layout.expert_model_parallel_size > 1:
+        parts.append(f"EP{layout.expert_model_parallel_size}")
     parts.append(f"DP{model.data_parallel_size}")
     extras = ["SP"] if layout.sequence_parallel else []
     if model.trainable:
@@ -380,6 +406,7 @@ def json_dict(report: PlanReport) -> dict[str, Any]:
                 "pipeline_model_parallel_size": model.layout.pipeline_model_parallel_size,
                 "virtual_pipeline_model_parallel_size": model.layout.virtual_pipeline_model_parallel_size,
                 "context_parallel_size": model.layout.context_parallel_size,
+                "expert_model_parallel_size": model.layout.expert_model_parallel_size,
                 "data_parallel_size": model.data_parallel_size,
                 "sequence_parallel": model.layout.sequence_parallel,
                 "recompute_granularity": model.recompute_granularity,

@@ -8,11 +8,14 @@ what this machine cannot hold. Every change is printed first, with its reason, a
 ``DIR/rehearsal.json``:
 
 - the model: a random model of the same architecture family (``model_type``, query/KV head ratio,
-  QKV bias, tied embeddings, RoPE base and scaling type, from the checkpoint's ``config.json`` or
-  ``launch.plan``'s table of published configs), as few layers as the shrunk pipeline needs and
-  heads of 8 dimensions, with the character-level tokenizer of the demo model as a stand-in;
+  QKV bias, tied embeddings, RoPE base and scaling type, Mixture-of-Experts layers and their
+  router's renormalisation, from the checkpoint's ``config.json`` or ``launch.plan``'s table of
+  published configs), as few layers as the shrunk pipeline needs, heads of 8 dimensions, at most
+  4 experts and each token routed to at most 2, with the character-level tokenizer of the demo
+  model as a stand-in;
 - the layout: tensor, pipeline and virtual pipeline sizes above 2 become 2, data parallelism at
-  most 2 and within ``--max-ranks``; the generation TP keeps its ratio to the training TP;
+  most 2 and within ``--max-ranks``, expert parallelism within the data parallelism and dividing
+  the tiny model's experts; the generation TP keeps its ratio to the training TP;
 - lengths and batches: prompts and responses capped at ``PROMPT_CAP`` / ``RESPONSE_CAP`` tokens
   (token budgets scale with them), micro-batches at 2 sequences, at most 2 optimizer steps per
   iteration, and the smallest prompt batch the shrunk layout divides;
@@ -49,9 +52,11 @@ from engine.models.char_tokenizer import VOCAB_SIZE
 PROMPT_CAP = 128  # tokens (characters of the stand-in tokenizer)
 RESPONSE_CAP = 16
 MICRO_BATCH_CAP = 2
-PARALLEL_CAP = 2  # tensor, pipeline, virtual pipeline and data parallel sizes
+PARALLEL_CAP = 2  # tensor, pipeline, virtual pipeline, data and expert parallel sizes
 OPTIMIZER_STEPS_CAP = 2  # mini-batches per iteration
 HEAD_DIM = 8
+EXPERTS_CAP = 4
+TOPK_CAP = 2
 STAND_IN_VAL_PROMPTS = 8
 # Keys whose values are checked against the rehearsal's losses (must be finite when present).
 LOSS_KEYS = ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm")
@@ -123,7 +128,7 @@ def tiny_model_config(architecture, tensor_parallel: int, pipeline_stages: int, 
         if scaling.rope_type == "llama3":
             rope.update(low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor,
                         original_max_position_embeddings=max_positions // 4)
-    return {
+    fields = {
         "model_type": architecture.model_type, "vocab_size": vocab_size, "hidden_size": hidden,
         "intermediate_size": 2 * hidden, "num_hidden_layers": max(2, pipeline_stages),
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "max_position_embeddings": max_positions,
@@ -131,6 +136,18 @@ def tiny_model_config(architecture, tensor_parallel: int, pipeline_stages: int, 
         "rms_norm_eps": architecture.layernorm_epsilon, "rope_parameters": rope,
         "tie_word_embeddings": architecture.tie_word_embeddings, "hidden_act": "silu", "initializer_range": 0.02,
     }
+    moe = architecture.moe
+    if moe is not None:
+        # Few experts, top-2 at most, the router's renormalisation as written (a top-1 stays top-1:
+        # hf_config accepts it only unnormalised).
+        experts, topk = min(moe.num_experts, EXPERTS_CAP), min(moe.topk, TOPK_CAP)
+        if architecture.model_type == "mixtral":  # every layer MoE, experts of intermediate_size, renormalised
+            fields.update(num_local_experts=experts, num_experts_per_tok=topk)
+        else:  # qwen3_moe: the first layer keeps a dense MLP only when the written model has dense layers
+            fields.update(num_experts=experts, num_experts_per_tok=topk, moe_intermediate_size=2 * hidden,
+                          norm_topk_prob=moe.renormalize, decoder_sparse_step=1,
+                          mlp_only_layers=[0] if len(moe.layers) < architecture.num_layers else [])
+    return fields
 
 
 def write_tiny_model(fields: dict[str, Any], out_dir: Path, seed: int = 0) -> Path:
@@ -202,7 +219,10 @@ def _generation_tp(written_tg: int, written_tp: int, tp: int, pp: int) -> int:
 def plan_rehearsal(yaml_path: str, base_overrides: Sequence[str], config: ExperimentConfig, model_dir: Path,
                    data: tuple[list[str], list[str]], run_dir: Path, steps: int, max_ranks: int) -> Rehearsal:
     """Decide the rehearsal's keys (see the module docstring) for ``config`` (``yaml_path`` with
-    ``base_overrides``, as written); the result passes ``load_config`` on the rehearsal's world."""
+    ``base_overrides``, as written) and the tiny model in ``model_dir``; the result passes
+    ``load_config`` on the rehearsal's world."""
+    from engine.models.hf_config import architecture_from_hf
+
     arr = config.actor_rollout_ref
     actor_megatron = arr.actor.megatron
     changes = _Changes(config)
@@ -212,9 +232,17 @@ def plan_rehearsal(yaml_path: str, base_overrides: Sequence[str], config: Experi
     written_dp = actor_megatron.layout().data_parallel_size(written_world)
     dp = max(1, min(written_dp, PARALLEL_CAP, max_ranks // (tp * pp)))
     world = tp * pp * dp
+    # Megatron splits the experts among the data-parallel ranks; the tiny model's must divide. A dense
+    # model's EP > 1 stays > 1, to fail at start-up as the real run would.
+    ep = min(actor_megatron.expert_model_parallel_size, dp, PARALLEL_CAP)
+    tiny_moe = architecture_from_hf(model_dir).moe
+    if tiny_moe is not None:
+        ep = math.gcd(ep, tiny_moe.num_experts)
     for prefix in (ACTOR_MEGATRON, CRITIC_MEGATRON):
         for name, value in layout.items():
             changes.set(f"{prefix}.{name}", value, f"layout shrunk to {world} CPU ranks (data parallel {dp})")
+        changes.set(f"{prefix}.expert_model_parallel_size", ep,
+                    f"the tiny model's experts split over at most the {dp} data-parallel ranks")
     rollout_tp = _generation_tp(arr.rollout.tensor_model_parallel_size, actor_megatron.tensor_model_parallel_size,
                                 tp, pp)
     changes.set("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout_tp,
@@ -374,7 +402,8 @@ def rehearse(yaml_path: str, overrides: Sequence[str], *, steps: int, max_ranks:
     report: dict[str, Any] = {
         "experiment": yaml_path, "architecture_source": source, "world_size": plan.world_size,
         "model": {key: fields[key] for key in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                                                "num_key_value_heads", "tie_word_embeddings")},
+                                                "num_key_value_heads", "tie_word_embeddings", "num_experts",
+                                                "num_local_experts", "num_experts_per_tok") if key in fields},
         "changes": [dataclasses.asdict(change) for change in plan.changes],
         "config": str(config_file), "log": str(out_dir / "job.log"),
     }

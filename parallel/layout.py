@@ -43,6 +43,14 @@ class ParallelLayout:
             * self.context_parallel_size
         )
 
+    def layer_owner(self, layer: int, num_layers: int) -> tuple[int, int]:
+        """(pipeline rank, virtual pipeline chunk) holding transformer layer ``layer`` of ``num_layers``
+        in megatron's interleaved assignment: chunk c of L / (pp * vpp) consecutive layers sits on
+        stage c % pp as its chunk c // pp."""
+        pp = self.pipeline_model_parallel_size
+        chunk = layer // (num_layers // (pp * (self.virtual_pipeline_model_parallel_size or 1)))
+        return chunk % pp, chunk // pp
+
     def data_parallel_size(self, world_size: int) -> int:
         """The data-parallel size for ``world_size`` ranks; raises LayoutError if it does not divide."""
         self.validate(world_size)

@@ -295,10 +295,22 @@ def test_torch_engine_has_no_tensor_parallelism():
 
 
 def test_features_not_built_yet_are_refused():
-    assert "LoRA is not built yet" in error_of(DEMO, ["actor_rollout_ref.model.lora_rank=32"])
-    assert "critic.model.lora_rank=8: LoRA is not built yet" in error_of(DEMO, ["critic.model.lora_rank=8"])
+    assert "critic.model.lora_rank=8: LoRA is built for the actor only" in error_of(DEMO, ["critic.model.lora_rank=8"])
     assert "context parallelism is not built yet" in error_of(
         DEMO, ["actor_rollout_ref.actor.megatron.context_parallel_size=2"])
+
+
+def test_lora_target_modules_checked():
+    assert "actor_rollout_ref.model.target_modules: megatron fuses gate_proj, up_proj into one layer" in error_of(
+        DEMO, ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[gate_proj,o_proj]"])
+    assert "actor_rollout_ref.model.target_modules=5: a module name, 'all-linear' or a list of names" in error_of(
+        DEMO, ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=5"])
+    assert "unknown module 'lm_head'" in error_of(
+        DEMO, ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=lm_head"])
+    assert "actor_rollout_ref.model.lora_alpha=0: must be > 0" in error_of(
+        DEMO, ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=0"])
+    assert "ref.megatron.param_offload=True: must be false with LoRA: the reference is the actor" in error_of(
+        DEMO, ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.ref.megatron.param_offload=true"])
 
 
 def test_removed_keys_say_why():
@@ -353,6 +365,7 @@ def test_group_estimator_needs_several_samples_per_prompt():
 
 @pytest.mark.parametrize("override, fragment", [
     ("actor_rollout_ref.actor.clip_ratio_c=0.5", "clip_ratio_c=0.5: must be > 1"),
+    ("actor_rollout_ref.actor.megatron.moe_aux_loss_coeff=-0.1", "moe_aux_loss_coeff=-0.1: must be >= 0"),
     ("algorithm.lam=1.5", "algorithm.lam=1.5: must be in [0, 1]"),
     ("actor_rollout_ref.rollout.top_p=0", "top_p=0.0: must be in (0, 1]"),
     ("actor_rollout_ref.actor.optim.betas=[0.9]", "betas=[0.9]: must be two numbers"),

@@ -80,7 +80,10 @@ def scenarios(tmp_path, demo_model) -> list[str]:
             f"reward_model.custom_reward_function.path={reward_file}",
             "reward_model.custom_reward_function.name=sometimes_failing", "reward_model.max_failed_fraction=0.01",
             "reward_model.max_failed_steps=1000", "reward_model.enable=true", f"reward_model.model.path={reward_model}",
-            "reward_model.combine.mode=gated", "reward_model.combine.gate_threshold=0.5"]
+            "reward_model.combine.mode=gated", "reward_model.combine.gate_threshold=0.5",
+            # LoRA: the reference is the actor with its adapters off (use_kl_loss)
+            "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+            "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj]"]
     resumed = [*gae, "trainer.total_training_steps=3", "trainer.resume_mode=resume_path",
                f"trainer.resume_from_path={run}/gae/checkpoints/step_2", "trainer.val_before_train=false"]
     val_only = [*common, f"trainer.default_local_dir={run}/val", "trainer.val_only=true", "reward_model.num_workers=1"]

@@ -92,6 +92,11 @@ def test_expert_parallelism_on_a_dense_model(demo_model, tmp_path, monkeypatch, 
     assert "actor_rollout_ref.actor.megatron: expert_model_parallel_size=2 needs a Mixture-of-Experts model" in err
 
 
+def test_load_balancing_loss_on_a_dense_model(demo_model, tmp_path, monkeypatch, capsys):
+    err = trident_error(tmp_path, monkeypatch, capsys, ["critic.megatron.moe_aux_loss_coeff=0.01"])
+    assert "critic.megatron.moe_aux_loss_coeff=0.01: the load-balancing loss needs a Mixture-of-Experts model" in err
+
+
 def test_moe_model_at_tensor_parallel_without_sequence_parallel(demo_model, tmp_path, monkeypatch, capsys):
     from engine.models.char_tokenizer import build_char_tokenizer
     from launch.rehearse import write_tiny_model
@@ -105,6 +110,10 @@ def test_moe_model_at_tensor_parallel_without_sequence_parallel(demo_model, tmp_
         f"actor_rollout_ref.model.path={folder}", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
         "actor_rollout_ref.actor.megatron.sequence_parallel=false"])
     assert "actor_rollout_ref.actor.megatron.sequence_parallel=false: megatron-core trains the MoE layers" in err
+    # LoRA adapts dense layers only: all-linear would reach the experts.
+    err = trident_error(tmp_path, monkeypatch, capsys, [f"actor_rollout_ref.model.path={folder}",
+                                                        "actor_rollout_ref.model.lora_rank=8"])
+    assert "actor_rollout_ref.model.target_modules=all-linear: LoRA on the expert layers of qwen3_moe is not built" in err
 
 
 def test_critic_model_folder_is_checked_too(demo_model, tmp_path, monkeypatch, capsys):

@@ -10,7 +10,8 @@ REPO = Path(__file__).resolve().parent.parent
 EXPERIMENTS = sorted(str(path.relative_to(REPO)) for path in (REPO / "yaml").glob("*.yaml"))
 LARGE = ["yaml/llama3-70b_ppo_8node.yaml", "yaml/llama3-70b_ppo_16node.yaml",
          "yaml/qwen2.5-72b_ppo_8node.yaml", "yaml/qwen2.5-72b_ppo_16node.yaml"]
-README_TABLE = [*LARGE, "yaml/qwen3-8b_grpo_gsm8k.yaml"]
+LORA = ["yaml/llama3-70b_lora_grpo_1node.yaml", "yaml/qwen2.5-72b_lora_grpo_1node.yaml"]
+README_TABLE = [*LARGE, "yaml/qwen3-8b_grpo_gsm8k.yaml", "yaml/qwen3-30b-a3b_grpo_gsm8k.yaml", *LORA]
 
 
 @pytest.fixture(autouse=True)
@@ -41,6 +42,45 @@ def test_70b_plans_fit_on_their_node_count_with_every_phase(experiment):
     assert all(phase.fits for phase in report.memory.phases)
     # one generation wave: the KV cache holds every sequence a replica gets per step
     assert report.memory.max_concurrent_sequences >= report.memory.sequences_per_replica
+
+
+@pytest.mark.parametrize("experiment", LORA)
+def test_70b_lora_fits_one_node_where_full_fine_tuning_does_not(experiment):
+    report = make_plan(experiment)
+    assert report.world_size == 8 and report.memory.fits
+    actor = report.models[0]
+    # Only the adapters have gradients and Adam state; the reference is the actor (no model of its own).
+    assert [model.role for model in report.models] == ["actor"]
+    assert "ref_log_prob" not in {phase.phase for phase in report.memory.phases}
+    assert actor.grad_bytes(0) == actor.adapter_parameters(0) * 4
+    assert 0 < actor.adapter_parameters(0) < 0.015 * actor.params_bytes(0) / 2
+    full = make_plan(experiment, ["actor_rollout_ref.model.lora_rank=0"])
+    assert not full.memory.fits and full.memory.phases[-1].over_by_bytes > 80 * 2**30
+
+
+def test_lora_adapter_parameters_of_a_70b_layer():
+    """r (in + out) per adapted layer, the TP-split side divided by t (tests/test_lora.py holds the
+    same formula to the adapters engine.models.lora builds)."""
+    from launch.memory_model import adapter_parameters
+
+    architecture = make_plan("yaml/llama3-70b_lora_grpo_1node.yaml").models[0].architecture
+    targets = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+    # Llama-3-70B, r=32, TP8: qkv 32 (8192 + 10240/8), o 32 (8192/8 + 8192), fc1 32 (8192 + 57344/8), fc2 32 (28672/8 + 8192)
+    assert adapter_parameters(architecture, 8, 32, targets) == 32 * (9472 + 9216 + 15360 + 11776)
+
+
+def test_offload_keys_take_parts_out_of_the_phases_that_do_not_use_them():
+    keys = [f"critic.megatron.{part}_offload=true" for part in ("param", "grad", "optimizer")]
+    keys.append("actor_rollout_ref.ref.megatron.param_offload=true")
+    plain = {p.phase: p for p in make_plan("yaml/llama3-70b_ppo_8node.yaml").memory.phases}
+    offloaded = {p.phase: p for p in make_plan("yaml/llama3-70b_ppo_8node.yaml", keys).memory.phases}
+    critic_state = sum(plain["rollout"].items[f"critic/{part}"] for part in ("params", "grads", "optimizer"))
+    saved = plain["rollout"].total_bytes - offloaded["rollout"].total_bytes
+    assert saved == pytest.approx(critic_state + plain["rollout"].items["ref/params"])
+    assert "critic/optimizer" not in offloaded["update_actor"].items
+    # The critic's own phase holds all of it; the reference is out of it.
+    assert {k: v for k, v in plain["update_critic"].items.items() if k != "ref/params"} == \
+        offloaded["update_critic"].items
 
 
 def test_undersized_plan_is_refused_naming_the_phase(capsys):
@@ -76,14 +116,28 @@ def test_unknown_architecture_is_a_clear_error(capsys):
     assert status == 2 and "actor_rollout_ref.model.path=/models/Mystery-9B" in err and "config.json" in err
 
 
-def test_moe_models_are_refused_until_the_planner_models_them(tmp_path, capsys):
+def test_moe_models_are_planned_with_their_experts_split_over_expert_parallel_ranks(tmp_path, capsys):
     from transformers import Qwen3MoeConfig
 
-    folder = tmp_path / "Qwen3-30B-A3B"
-    Qwen3MoeConfig(num_hidden_layers=4).save_pretrained(folder)
-    status = main(["yaml/qwen2.5-7b_gsm8k.yaml", f"actor_rollout_ref.model.path={folder}"])
-    err = capsys.readouterr().err
-    assert status == 2 and "qwen3_moe is a Mixture-of-Experts model" in err and "actor_rollout_ref.model.path" in err
+    from engine.models.hf_config import architecture_from_hf
+    from launch.memory_model import full_model_parameters, stage_parameters
+
+    folder = tmp_path / "tiny-moe"
+    Qwen3MoeConfig(num_hidden_layers=4, hidden_size=512, moe_intermediate_size=256, num_experts=16,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=64).save_pretrained(folder)
+    overrides = [f"actor_rollout_ref.model.path={folder}", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"]
+    assert main(["yaml/qwen2.5-7b_gsm8k.yaml", *overrides, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    architecture = architecture_from_hf(folder)
+    assert plan["parameters"] == full_model_parameters(architecture)
+    actor = plan["models"]["actor"]
+    assert actor["expert_model_parallel_size"] == 2
+    report = make_plan("yaml/qwen2.5-7b_gsm8k.yaml", overrides)
+    layout = report.models[0].layout
+    # the actor's parameters: each EP rank holds half the experts
+    assert plan["phases"]["rollout"]["items_bytes"]["actor/params"] == 2 * stage_parameters(architecture, layout, 0).total
+    assert stage_parameters(architecture, layout, 0).experts * 2 * layout.tensor_model_parallel_size == \
+        4 * 16 * 3 * 512 * 256
 
 
 def test_disaggregated_rollout_is_not_estimated(capsys):

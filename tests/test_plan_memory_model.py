@@ -71,6 +71,8 @@ def test_pipeline_in_flight_matches_korthikanti_and_megatron_warmup():
     ("qwen2.5-7b", 7_615_616_512),
     ("qwen2.5-0.5b", 494_032_768),
     ("qwen3-8b", 8_190_735_360),  # safetensors index total_size 16_381_470_720 bytes in bf16
+    ("qwen3-30b-a3b", 30_532_122_624),  # model card: 30.5 B; total_size 61_064_245_248 bytes in bf16
+    ("mixtral-8x7b-instruct-v0.1", 46_702_792_704),  # safetensors total
 ])
 def test_parameter_counts_match_published_checkpoints(name, published):
     assert full_model_parameters(known(name)) == published
@@ -90,6 +92,45 @@ def test_sixteen_bytes_per_parameter_rule_for_mixed_precision_adam():
     assert total == pytest.approx((4 + 12 / 64) * full_model_parameters(architecture))
 
 
+def test_moe_experts_split_over_expert_parallel_ranks_and_their_optimizer_over_expert_data_parallel():
+    from launch.memory_model import expert_parameters, full_expert_parameters, stage_parameters
+
+    qwen3_moe = known("qwen3-30b-a3b")
+    # 48 layers x 128 experts x SwiGLU (3 h f_e), h = 2048, f_e = 768; the rest is attention, norms,
+    # routers (128 x h per layer) and the embeddings.
+    assert full_expert_parameters(qwen3_moe) == 48 * 128 * 3 * 2048 * 768
+    # TP2 x EP4 (+ DP4 of 8 GPUs): each GPU trains 128 / 4 experts per layer, split over its 2 TP ranks.
+    layout = ParallelLayout(2, 1, expert_model_parallel_size=4, sequence_parallel=True)
+    stage = stage_parameters(qwen3_moe, layout, 0)
+    assert stage.experts == 48 * expert_parameters(qwen3_moe, 2, 4) == full_expert_parameters(qwen3_moe) // 8
+    # TP halves the embeddings and attention (q 4096, k and v 512, o 4096 wide), not the norms (q/k norms of
+    # 128, 2 layer norms of h, the final norm) nor the routers (128 x h).
+    h, vocab = 2048, 151936
+    attention = h * (4096 + 2 * 512) + 4096 * h
+    assert stage.dense == 2 * vocab * h // 2 + h + 48 * (attention // 2 + 2 * 128 + 2 * h + 128 * h)
+    # Adam (12 bytes with the fp32 copy) sharded over the dense DP ranks (4) and, for the experts, over
+    # the expert-data-parallel ranks: 8 / (TP2 x EP4) = 1.
+    model = ModelMemoryConfig(role="actor", architecture=qwen3_moe, layout=layout, data_parallel_size=4, trainable=True)
+    assert model.optimizer_bytes(0) == pytest.approx(12 * (stage.dense / 4 + stage.experts / 1))
+    # The same 8 GPUs at EP1: every GPU holds all experts at TP2; the dense DP ranks shard their state.
+    ep1 = ModelMemoryConfig(role="actor", architecture=qwen3_moe, layout=ParallelLayout(2, 1, sequence_parallel=True),
+                            data_parallel_size=4, trainable=True)
+    assert stage_parameters(qwen3_moe, ep1.layout, 0).experts == 4 * stage.experts
+    assert ep1.optimizer_bytes(0) == pytest.approx(12 * stage_parameters(qwen3_moe, ep1.layout, 0).total / 4)
+
+
+def test_moe_layer_activations_count_routed_copies():
+    # Qwen3-30B-A3B's MoE layer at TP1: the attention and norm terms of its dense twin, and instead of the
+    # MLP, per token: router logits (2 B) + fp32 probabilities for 128 experts, and for each of the k = 8
+    # routed copies the expert input and output (2 h) and SwiGLU activations (3 f_e), 2 bytes each.
+    shape = LayerShape.from_architecture(known("qwen3-30b-a3b"))
+    dense = LayerShape(hidden_size=2048, num_attention_heads=32, num_query_groups=4, kv_channels=128, ffn_hidden_size=0)
+    mlp_free = layer_activation_bytes(dense, 1, 4096)
+    assert layer_activation_bytes(shape, 1, 4096) == pytest.approx(mlp_free + 128 * 6 + 8 * 2 * (2 * 2048 + 3 * 768))
+    # Full recompute keeps the layer input only, MoE or not.
+    assert layer_activation_bytes(shape, 1, 4096, recompute_granularity="full") == 2 * 2048
+
+
 def test_kv_cache_bytes_formula():
     llama70 = known("meta-llama-3-70b")
     # 2 * layers * kv_heads * head_dim * bytes: 320 KiB per token for Llama-3-70B in bf16
@@ -98,11 +139,22 @@ def test_kv_cache_bytes_formula():
     assert kv_cache_bytes_per_token(llama70, 16) == 320 * 1024 // 8  # KV heads replicated past 8 ranks
 
 
+def test_hybrid_engine_sync_of_experts_counts_what_the_expert_phase_completes():
+    qwen3_moe = known("qwen3-30b-a3b")
+    rollout = RolloutMemoryConfig(tensor_model_parallel_size=2, gpu_memory_utilization=0.5,
+                                  sequences_per_step=8, sequence_length=16)
+    sync = hybrid_engine_sync(qwen3_moe, ParallelLayout(2, 1, expert_model_parallel_size=4), 8, rollout)
+    experts = 2 * 48 * 128 * 3 * 2048 * 768
+    # Dense weights: TP2 -> TP2 moves nothing; experts: a GPU trains 1/4 of its TP half, the engine needs all.
+    assert sync.received_bytes == pytest.approx(experts / 2 - experts / 8)
+
+
 @pytest.mark.parametrize("t, p, tg, fraction", [
     (8, 1, 8, 0.0),          # same layout: nothing moves
     (8, 2, 8, 1 / 16),       # (tp - tg) / (tg t p) = 8/128
     (8, 4, 4, 28 / 128),
     (4, 4, 2, 14 / 32),
+    (2, 4, 8, 3 / 32),       # t_g > t: each GPU holds the engine slices of its stage's layers, 1/32
 ])
 def test_hybrid_engine_sync_bytes_follow_hybridflow(t, p, tg, fraction):
     architecture = known("meta-llama-3-70b")

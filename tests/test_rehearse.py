@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import pytest
 import transformers
 
+from engine.config import load_config
 from engine.models.hf_config import architecture_from_hf
 from launch.plan import KNOWN_ARCHITECTURES
-from launch.rehearse import _generation_tp, tiny_model_config, write_tiny_model
+from launch.rehearse import _generation_tp, plan_rehearsal, tiny_model_config, write_tiny_model
 from launch.rehearse import rehearse as plan_only
 from tests.distributed import REPO_ROOT
 from tests.rollout_support import SGLANG_MARKS
@@ -21,8 +22,6 @@ EXPERIMENTS = sorted(str(path.relative_to(REPO_ROOT)) for path in (REPO_ROOT / "
 
 
 def uses_sglang(experiment: str) -> bool:
-    from engine.config import load_config
-
     return load_config(REPO_ROOT / experiment).actor_rollout_ref.rollout.name == "sglang"
 
 
@@ -50,6 +49,65 @@ def test_tiny_model_keeps_the_family(name, tmp_path):
     assert tiny.rotary_base == written.rotary_base and tiny.num_layers == 4
     assert tiny.num_query_groups % 2 == 0 and tiny.hidden_size < 256
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "model").chat_template
+
+
+# Qwen3-30B-A3B's config.json: 128 experts, top-8 renormalised, every layer MoE.
+QWEN3_30B_A3B = dict(
+    model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+    num_experts_per_tok=8, norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1, num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936, rope_theta=1000000.0,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=40960,
+)
+MIXTRAL_8X7B = dict(
+    model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, rope_theta=1000000.0,
+    rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=32768, sliding_window=None,
+)
+
+
+@pytest.mark.parametrize("fields, model_class, renormalize", [
+    (QWEN3_30B_A3B, "Qwen3MoeForCausalLM", True),
+    (dict(QWEN3_30B_A3B, norm_topk_prob=False, num_experts_per_tok=1, mlp_only_layers=[0]), "Qwen3MoeForCausalLM",
+     False),
+    (MIXTRAL_8X7B, "MixtralForCausalLM", True),
+])
+def test_tiny_model_keeps_the_experts(fields, model_class, renormalize, tmp_path):
+    written = architecture_from_hf(SimpleNamespace(**fields))
+    config = tiny_model_config(written, tensor_parallel=2, pipeline_stages=2, generation_tp=2, vocab_size=100,
+                               max_positions=256)
+    tiny = architecture_from_hf(write_tiny_model(config, tmp_path / "model"))
+    assert tiny.model_type == written.model_type and tiny.moe is not None
+    assert tiny.moe.num_experts == 4 and tiny.moe.topk == min(written.moe.topk, 2)
+    assert tiny.moe.renormalize == written.moe.renormalize == renormalize
+    # Every layer MoE as written, or a dense one kept; the experts split over the rehearsal's TP 2.
+    assert (len(tiny.moe.layers) == tiny.num_layers) == (len(written.moe.layers) == written.num_layers)
+    assert tiny.moe.ffn_hidden_size % 2 == 0 and tiny.hidden_size < 256
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert type(model).__name__ == model_class
+    assert sum("experts" in name for name, _ in model.named_parameters()) > 0
+
+
+@pytest.mark.parametrize("written_ep, max_ranks, expected_ep", [
+    (4, 4, 2),  # TP2 x DP4 x EP4 on 8 GPUs -> TP2 x DP2 x EP2
+    (4, 2, 1),  # -> TP2 x DP1: no data-parallel ranks to split the experts over
+    (1, 4, 1),  # EP1 stays, unchanged
+])
+def test_expert_parallelism_shrinks_within_data_parallelism(written_ep, max_ranks, expected_ep, tmp_path):
+    experiment = str(REPO_ROOT / "yaml/qwen3-8b_grpo_gsm8k.yaml")  # TP2 on 8 GPUs, without a critic
+    overrides = ["actor_rollout_ref.model.path=models/Qwen3-30B-A3B",
+                 f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={written_ep}"]
+    config = load_config(experiment, overrides)
+    model = write_tiny_model(tiny_model_config(architecture_from_hf(SimpleNamespace(**QWEN3_30B_A3B)),
+                                               tensor_parallel=2, pipeline_stages=1, generation_tp=2,
+                                               vocab_size=100, max_positions=256), tmp_path / "model")
+    plan = plan_rehearsal(experiment, overrides, config, model, (["train.parquet"], ["test.parquet"]),
+                          tmp_path / "run", steps=2, max_ranks=max_ranks)
+    assert plan.world_size == max_ranks
+    rehearsed = load_config(experiment, [*overrides, *plan.overrides()], world_size=plan.world_size)
+    for megatron in (rehearsed.actor_rollout_ref.actor.megatron, rehearsed.critic.megatron):
+        assert megatron.tensor_model_parallel_size == 2 and megatron.expert_model_parallel_size == expected_ep
+    changed = {change.key for change in plan.changes}
+    assert ("actor_rollout_ref.actor.megatron.expert_model_parallel_size" in changed) == (written_ep != expected_ep)
 
 
 def test_missing_data_without_a_stand_in_is_a_config_error(tmp_path):

@@ -84,9 +84,13 @@ def four_ranks(tiny_llama, tmp_path_factory):
 
 
 # tp,pp,vpp,sp,packing,dynamic,ep: the MoE actor and critic with experts split 2 and 4 ways, with TP2 (+ SP,
-# which megatron requires for MoE training with TP) and with PP2, against the same world without EP.
+# which megatron requires for MoE training with TP) and with PP2, against the same world without EP; and
+# TP2+SP x PP2 (the later stage's padding mask split over the SP ranks by the worker).
 MOE_REFERENCE = "1,1,0,0,0,0,1"
-MOE_LAYOUTS = ["1,1,0,0,0,0,2", "1,1,0,0,1,0,4", "2,1,0,1,0,0,2", "1,2,0,0,0,1,2"]
+MOE_LAYOUTS = ["1,1,0,0,0,0,2", "1,1,0,0,1,0,4", "2,1,0,1,0,0,2", "1,2,0,0,0,1,2", "2,2,0,1,0,0,1"]
+# Layouts that cut the mini-batches into other micro-batches than the reference (dynamic batching; DP1
+# with 2 sequences per micro-batch): the per-micro-batch load-balancing loss differs there.
+MOE_OTHER_MICRO_BATCHES = {"1,2,0,0,0,1,2", "2,2,0,1,0,0,1"}
 
 
 def _relative_error(actual, expected) -> float:
@@ -94,7 +98,8 @@ def _relative_error(actual, expected) -> float:
     return float((actual - expected).norm() / expected.norm().clamp(min=1e-30))
 
 
-def _assert_same_update(name, results, weights, reference_results, reference_weights, weight_tolerance=TOLERANCE):
+def _assert_same_update(name, results, weights, reference_results, reference_weights, weight_tolerance=TOLERANCE,
+                        same_micro_batches=True):
     mask = torch.tensor(reference_results["response_mask"], dtype=torch.bool)
     for key in ("old_log_probs", "entropy", "values"):
         actual, expected = torch.tensor(results[key])[mask], torch.tensor(reference_results[key])[mask]
@@ -102,6 +107,8 @@ def _assert_same_update(name, results, weights, reference_results, reference_wei
     for role in ("actor", "critic"):
         assert results[role].keys() == reference_results[role].keys(), (name, role)
         for metric, value in results[role].items():
+            if metric.endswith("moe_load_balancing_loss") and not same_micro_batches:
+                continue  # a loss per micro-batch: other micro-batches, another (equally valid) value
             expected = reference_results[role][metric]
             bound = TOLERANCE if metric.split("/")[-1] in ABSOLUTE_METRICS else TOLERANCE * abs(expected)
             assert abs(value - expected) <= bound, (name, metric, value, expected)
@@ -147,14 +154,42 @@ def test_vocab_parallel_tp4_matches_float64(four_ranks):
 
 @pytest.mark.dist
 def test_moe_update_with_expert_parallelism_matches_ep1(tiny_qwen3_moe, tmp_path_factory):
-    results, weights = _launch(tiny_qwen3_moe, tmp_path_factory, 4, [MOE_REFERENCE, *MOE_LAYOUTS], [])
+    results, weights = _launch(tiny_qwen3_moe, tmp_path_factory, 4, [MOE_REFERENCE, *MOE_LAYOUTS],
+                               ["--check-load-balancing", "--check-routing"])
     reference = results["layouts"][MOE_REFERENCE]
+    # The load-balancing loss (engine.roles.load_balancing) is reported for actor and critic; below 1
+    # is impossible (1 = uniform load), at most E / k = 2.
+    for role in ("actor", "critic"):
+        assert 1.0 <= reference[role][f"{role}/moe_load_balancing_loss"] <= 2.0, reference[role]
+    balancing = results["load_balancing"]
+    # Reported without being added: transformers' router logits (float64), the mean over micro-batches
+    # (one sequence each) and MoE layers.
+    assert abs(balancing["ep1"]["loss"] - balancing["reference"]) <= 1e-6 * balancing["reference"], balancing
+    # Added with coefficient 0.5: megatron's own record of it is the same number (same weights at the
+    # one optimizer step), the update changes, and it is the same update at EP2 x TP2 + SP with half
+    # the data-parallel ranks (the added gradient is averaged like the PPO loss's).
+    added, layout = balancing["ep1_added"], balancing["ep2_tp2_added"]
+    assert abs(added["loss"] - balancing["ep1"]["loss"]) <= 1e-6 * added["loss"]
+    assert abs(added["grad_norm"] - balancing["ep1"]["grad_norm"]) > 1e-3 * added["grad_norm"]
+    assert abs(layout["loss"] - added["loss"]) <= TOLERANCE * added["loss"]
+    assert abs(layout["grad_norm"] - added["grad_norm"]) <= TOLERANCE * added["grad_norm"]
+    for key, router in added["routers"].items():
+        assert _relative_error(layout["routers"][key], router) <= TOLERANCE, key
+        assert _relative_error(balancing["ep1"]["routers"][key], router) > 1e-4, key
+    # The routing-mismatch metric (engine.roles.routing) against transformers' routing of every token but
+    # each row's last: none differ at EP2, EP2 x TP2 + SP packed, PP2 dynamic, TP2 + SP x PP2; with a
+    # quarter of layer 0's expert sets replaced, exactly that share of the compared pairs.
+    routing = results["routing"]
+    assert routing["compared"] > 100 and routing["corrupted"] > 10
+    for layout_name in ("1,1,0,0,0,0,2", "2,1,0,1,1,0,2", "1,2,0,0,0,1,2", "2,2,0,1,1,0,1"):
+        assert routing[layout_name]["same"] == 0.0, layout_name
+        assert routing[layout_name]["corrupted"] == pytest.approx(routing["corrupted"] / routing["compared"]), layout_name
     everything = lambda w: torch.cat([t.flatten().double() for _, t in sorted(w.items())])  # noqa: E731
     for name in MOE_LAYOUTS:
         # Per tensor 1e-4: Adam's m / sqrt(v) amplifies fp32 round-off where a weight's gradients nearly
         # cancel over the two steps (measured: 1 element of layer 0's o_proj, 1.9e-5 apart, 1.5e-5
         # relative to the tensor, in every EP layout alike); all weights together within 1e-5.
         _assert_same_update(name, results["layouts"][name], weights[name], reference, weights[MOE_REFERENCE],
-                            weight_tolerance=10 * TOLERANCE)
+                            weight_tolerance=10 * TOLERANCE, same_micro_batches=name not in MOE_OTHER_MICRO_BATCHES)
         assert _relative_error(everything(weights[name]), everything(weights[MOE_REFERENCE])) <= TOLERANCE, name
     assert any(weights[MOE_REFERENCE][k].ne(0).any() for k in weights[MOE_REFERENCE] if ".experts." in k)

@@ -120,3 +120,17 @@ def test_sgl_kernel_stand_in_offers_nothing():
         standin.__wrapped__
     # SGLang's AMX probe: no op registered, so it picks its plain-torch layers.
     assert not hasattr(torch.ops.sgl_kernel, "convert_weight_packed")
+
+
+def test_sglang_null_log_prob_is_a_named_error():
+    # SGLang's JSON carries a NaN or infinite log-prob as null; a sample with one must not reach training.
+    from engine.rollout.base import RolloutError
+    from engine.rollout.sglang_engine import _parse_sample
+
+    item = {"output_ids": [5, 6, 7], "meta_info": {"finish_reason": {"type": "length"},
+                                                   "output_token_logprobs": [[-0.5, 5, None], [None, 6, None],
+                                                                             [-1.0, 7, None]]}}
+    with pytest.raises(RolloutError, match="non-finite log-prob .null. for output token 1 of 3"):
+        _parse_sample(item)
+    item["meta_info"]["output_token_logprobs"][1][0] = -0.25
+    assert _parse_sample(item).log_probs == [-0.5, -0.25, -1.0]

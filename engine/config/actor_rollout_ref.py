@@ -94,6 +94,19 @@ class ActorConfig:
 
 
 @dataclass
+class RefMegatronConfig:
+    """``actor_rollout_ref.ref.megatron.*``: the reference's memory (its layout is the actor's).
+
+    Attributes:
+        param_offload: keep the reference's weights in host memory outside its log-prob pass
+            (``parallel.offload``). With LoRA the reference is the actor itself: use
+            ``actor.megatron.param_offload`` instead.
+    """
+
+    param_offload: bool = False
+
+
+@dataclass
 class RefConfig:
     """``actor_rollout_ref.ref.*``: log-probs of the frozen reference policy.
 
@@ -105,10 +118,12 @@ class RefConfig:
             actor's ``ppo_micro_batch_size_per_gpu``.
         log_prob_max_token_len_per_gpu: token budget per forward with dynamic batching; defaults to
             the actor's ``ppo_max_token_len_per_gpu``.
+        megatron: see ``RefMegatronConfig``.
     """
 
     log_prob_micro_batch_size_per_gpu: int | None = None
     log_prob_max_token_len_per_gpu: int = 16384
+    megatron: RefMegatronConfig = field(default_factory=RefMegatronConfig)
 
 
 @dataclass

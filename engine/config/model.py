@@ -1,7 +1,9 @@
 """Settings shared by the trained and frozen models: the HF checkpoint, the optimizer, the layout."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -19,8 +21,13 @@ class ModelConfig:
         use_remove_padding: pack the sequences of a micro-batch without padding (THD layout).
         enable_gradient_checkpointing: recompute activations in the backward pass (megatron's full
             recompute of every layer: less memory, one more forward).
-        lora_rank: LoRA rank; 0 trains all weights. LoRA is not built yet: a rank > 0 is refused.
+        lora_rank: LoRA rank (Hu et al. 2021); 0 trains all weights. With a rank > 0 only the
+            adapters train (``engine.models.lora``), the reference is the actor with its adapters
+            off, and the rollout engine receives the merged weights. Built for the actor only.
         lora_alpha: LoRA scaling numerator (the update is scaled by lora_alpha / lora_rank).
+        target_modules: the adapted projections, PEFT's names: "all-linear" or a list of q_proj,
+            k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (megatron fuses q/k/v and gate/up,
+            which are adapted together).
     """
 
     path: str = MISSING
@@ -28,6 +35,20 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = False
     lora_rank: int = 0
     lora_alpha: int = 16
+    target_modules: Any = "all-linear"
+
+    def lora_settings(self, seed: int):
+        """``engine.models.lora.LoRASettings`` of this model (None without LoRA); ``seed`` draws A."""
+        from engine.models.lora import LoRASettings
+
+        if self.lora_rank == 0:
+            return None
+        targets = self.target_modules
+        if isinstance(targets, str):
+            targets = (targets,)
+        elif not (isinstance(targets, Sequence) and all(isinstance(name, str) for name in targets)):
+            raise ValueError(f"model.target_modules={targets!r}: a module name, 'all-linear' or a list of names")
+        return LoRASettings(self.lora_rank, self.lora_alpha, tuple(targets), seed)
 
 
 @dataclass
@@ -133,6 +154,25 @@ class MegatronConfig(FrozenMegatronConfig):
 
     Attributes:
         use_distributed_optimizer: shard the optimizer state over the data-parallel ranks (ZeRO-1).
+        moe_aux_loss_coeff: weight of the Switch-Transformer load-balancing loss (Fedus et al. 2022,
+            megatron-core's ``aux_loss``) added to the loss of an MoE model; 0 adds nothing. The loss
+            (unweighted, mean over MoE layers) is reported as ``<role>/moe_load_balancing_loss``
+            for every MoE model either way; > 0 needs an MoE model (checked at start-up).
+        param_offload: keep the weights in host memory outside this model's phases (forward passes,
+            updates, the weight sync, checkpoints), as verl does (``parallel.offload``).
+        grad_offload: free the gradient buffers outside the updates (they are zeroed before each
+            mini-batch, so nothing is copied).
+        optimizer_offload: keep the Adam state and fp32 main weights in host memory outside the
+            updates.
     """
 
     use_distributed_optimizer: bool = True
+    moe_aux_loss_coeff: float = 0.0
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+
+    def offloaded_parts(self) -> tuple[str, ...]:
+        """The ``parallel.offload.PARTS`` this model offloads between its phases."""
+        flags = {"params": self.param_offload, "grads": self.grad_offload, "optimizer": self.optimizer_offload}
+        return tuple(part for part, offloaded in flags.items() if offloaded)

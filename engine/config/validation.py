@@ -103,16 +103,15 @@ def _check_choices(config: ExperimentConfig) -> None:
                               f"pip install 'trident-ppo[{extra}]' (or drop {name!r} from trainer.logger).")
 
 
-_LORA = "LoRA is not built yet; only full fine-tuning (lora_rank=0) runs today"
+_LORA = "LoRA is built for the actor only (actor_rollout_ref.model.lora_rank); the critic trains all its weights"
 _CONTEXT_PARALLEL = "context parallelism is not built yet (the roles do not split sequences over CP ranks); use 1"
 # Keys of features that are not built yet: the only value each accepts, and why. Anything else is
 # refused here, never accepted and ignored (tests/test_config_liveness.py holds every other key to
 # a run-time read).
 NOT_BUILT: dict[str, tuple[Any, str]] = {
-    "actor_rollout_ref.model.lora_rank": (0, _LORA),
-    "actor_rollout_ref.model.lora_alpha": (16, _LORA),
     "critic.model.lora_rank": (0, _LORA),
     "critic.model.lora_alpha": (16, _LORA),
+    "critic.model.target_modules": ("all-linear", _LORA),
     f"{ACTOR}.megatron.context_parallel_size": (1, _CONTEXT_PARALLEL),
     "critic.megatron.context_parallel_size": (1, _CONTEXT_PARALLEL),
     "reward_model.megatron.context_parallel_size": (1, _CONTEXT_PARALLEL),
@@ -174,6 +173,14 @@ def _check_ranges(config: ExperimentConfig) -> None:
     for prefix, model in (("actor_rollout_ref.model", arr.model), ("critic.model", critic.model)):
         _require(model.lora_rank >= 0, f"{prefix}.lora_rank", model.lora_rank, ">= 0 (0 disables LoRA)")
         _require(model.lora_rank == 0 or model.lora_alpha > 0, f"{prefix}.lora_alpha", model.lora_alpha, "> 0")
+    if arr.model.lora_rank:
+        try:
+            arr.model.lora_settings(seed=0).megatron_layers()
+        except ValueError as error:
+            raise ConfigError(f"actor_rollout_ref.{error}") from None
+        _require(not arr.ref.megatron.param_offload, "actor_rollout_ref.ref.megatron.param_offload", True,
+                 "false with LoRA: the reference is the actor with its adapters off; offload its weights "
+                 f"with {ACTOR}.megatron.param_offload")
     _check_positive(actor, ACTOR, ("ppo_epochs", "ppo_mini_batch_size", "ppo_max_token_len_per_gpu"))
     _check_positive(actor, ACTOR, ("ppo_micro_batch_size_per_gpu",), allow_none=True)
     _require(actor.clip_ratio > 0, f"{ACTOR}.clip_ratio", actor.clip_ratio, "> 0")
@@ -185,6 +192,9 @@ def _check_ranges(config: ExperimentConfig) -> None:
     _require(actor.clip_ratio_c is None or actor.clip_ratio_c > 1, f"{ACTOR}.clip_ratio_c", actor.clip_ratio_c,
              "> 1 (the dual-clip bound) or null to disable dual-clip")
     _require(actor.kl_loss_coef >= 0, f"{ACTOR}.kl_loss_coef", actor.kl_loss_coef, ">= 0")
+    for prefix, megatron in ((f"{ACTOR}.megatron", actor.megatron), ("critic.megatron", critic.megatron)):
+        _require(megatron.moe_aux_loss_coeff >= 0, f"{prefix}.moe_aux_loss_coeff", megatron.moe_aux_loss_coeff,
+                 ">= 0 (0 adds no load-balancing loss)")
     _check_optim(f"{ACTOR}.optim", actor.optim)
     _check_positive(arr.ref, "actor_rollout_ref.ref", ("log_prob_max_token_len_per_gpu",))
     _check_positive(arr.ref, "actor_rollout_ref.ref", ("log_prob_micro_batch_size_per_gpu",), allow_none=True)

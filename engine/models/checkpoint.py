@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from engine.models.gpt import named_global_parameters, use_transformer_engine
 from engine.models.hf_config import MODEL_CLASS_PREFIXES, ModelArchitecture, architecture_from_hf
+from engine.models.lora import adapters, is_adapter_parameter, merged_weights, peft_tensors
 from engine.models.weight_mapping import (
     ParamMapping,
     hf_from_shards,
@@ -118,6 +119,8 @@ def _named_global_parameters(model_chunks: Sequence[torch.nn.Module], entries: d
     """(global megatron name, entry, parameter) for every parameter of this rank's chunks."""
     for chunk in model_chunks:
         for name, param in named_global_parameters(chunk):
+            if is_adapter_parameter(name):
+                continue  # LoRA: exported merged into its base weight, or by export_peft_state_dict
             if name not in entries:
                 raise CheckpointError(f"megatron parameter {name} has no HF mapping (unexpected layer spec?)")
             yield name, entries[name], param
@@ -170,6 +173,15 @@ def load_hf_weights(model_chunks: Sequence[torch.nn.Module], hf_dir: str | Path)
     return missing_optional
 
 
+def _tensor_parallel_shards(tensor: torch.Tensor, split: bool, tp_group, tp_size: int) -> list[torch.Tensor]:
+    """Every TP rank's shard of a split tensor (index = TP rank); a replicated one as it is."""
+    if not split or tp_size == 1:
+        return [tensor]
+    shards = [torch.empty_like(tensor) for _ in range(tp_size)]
+    dist.all_gather(shards, tensor.contiguous(), group=tp_group)
+    return shards
+
+
 @torch.no_grad()
 def _gather_local_hf_tensors(model_chunks, entries) -> dict[str, torch.Tensor]:
     """HF tensors of this pipeline stage, complete on TP rank 0 of data/context-parallel rank 0.
@@ -186,17 +198,14 @@ def _gather_local_hf_tensors(model_chunks, entries) -> dict[str, torch.Tensor]:
         True: (ps.get_expert_data_parallel_rank() == 0, ps.get_expert_tensor_parallel_group(),
                ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()),
     }
+    merged = merged_weights(model_chunks)
     local: dict[str, torch.Tensor] = {}
     for name, entry, param in _named_global_parameters(model_chunks, entries):
         exports, tp_group, tp_rank, tp_size = groups[entry.expert]
         if not entry.exported or not exports:
             continue
-        tensor = param.detach().contiguous()
-        if entry.tensor_parallel_dim is None or tp_size == 1:
-            shards = [tensor]
-        else:
-            shards = [torch.empty_like(tensor) for _ in range(tp_size)]
-            dist.all_gather(shards, tensor, group=tp_group)
+        tensor = merged[name]() if name in merged else param.detach()
+        shards = _tensor_parallel_shards(tensor, entry.tensor_parallel_dim is not None, tp_group, tp_size)
         if tp_rank == 0:
             local.update({hf_name: t.cpu() for hf_name, t in hf_from_shards(entry, architecture, shards).items()})
     return local
@@ -212,7 +221,20 @@ def export_hf_state_dict(
     saves them; the critic's value head is ``score.weight`` / ``score.bias``.
     """
     entries = _entries_for(model_chunks)
-    local = _gather_local_hf_tensors(model_chunks, entries)
+    received = _collect(_gather_local_hf_tensors(model_chunks, entries), destination_rank)
+    if destination_rank is not None and dist.get_rank() != destination_rank:
+        return {}
+    expected = [name for entry in weight_mappings(
+        _chunk_architecture(model_chunks), transformer_engine=use_transformer_engine(),
+        value_head=_is_critic(model_chunks)) if entry.exported for name in entry.hf_names]
+    missing = [name for name in expected if name not in received]
+    if missing:
+        raise AssertionError(f"export is missing {missing[:5]} ({len(missing)} tensors)")
+    return {name: received[name] for name in expected}
+
+
+def _collect(local: dict[str, torch.Tensor], destination_rank: int | None) -> dict[str, torch.Tensor]:
+    """Every rank's ``local`` tensors on ``destination_rank`` (on every rank for None); collective."""
     rank, world = dist.get_rank(), dist.get_world_size()
     manifests: list[list[tuple[str, tuple[int, ...], torch.dtype]] | None] = [None] * world
     dist.all_gather_object(manifests, [(name, tuple(t.shape), t.dtype) for name, t in local.items()])
@@ -233,15 +255,48 @@ def export_hf_state_dict(
                 buffer = torch.empty(shape, dtype=dtype, device=comm_device)
                 dist.recv(buffer, src=source)
                 received[name] = buffer.cpu()
-    if destination_rank is not None and rank != destination_rank:
-        return {}
-    expected = [name for entry in weight_mappings(
-        _chunk_architecture(model_chunks), transformer_engine=use_transformer_engine(),
-        value_head=_is_critic(model_chunks)) if entry.exported for name in entry.hf_names]
-    missing = [name for name in expected if name not in received]
-    if missing:
-        raise AssertionError(f"export is missing {missing[:5]} ({len(missing)} tensors)")
-    return {name: received[name] for name in expected}
+    return received
+
+
+@torch.no_grad()
+def export_peft_state_dict(model_chunks: Sequence[torch.nn.Module], *, destination_rank: int | None = 0
+                           ) -> dict[str, torch.Tensor]:
+    """The LoRA adapters as PEFT names and layout (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``),
+    CPU tensors on ``destination_rank`` ({} elsewhere; every rank for None). Collective."""
+    from megatron.core import parallel_state as ps
+
+    architecture, entries = _chunk_architecture(model_chunks), _entries_for(model_chunks)
+    tp_group, tp_size = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
+    local: dict[str, torch.Tensor] = {}
+    if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
+        for chunk in model_chunks:
+            for name, adapter in adapters(chunk):
+                a_shards, b_shards = (_tensor_parallel_shards(factor.detach(), factor.tensor_model_parallel, tp_group,
+                                                              tp_size) for factor in (adapter.lora_A, adapter.lora_B))
+                if ps.get_tensor_model_parallel_rank() == 0:
+                    tensors = peft_tensors(entries[name], a_shards, b_shards, architecture)
+                    local.update({key: t.cpu() for key, t in tensors.items()})
+    return _collect(local, destination_rank)
+
+
+def save_peft_adapter(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path, *,
+                      base_model_name_or_path: str | Path) -> None:
+    """Write the LoRA adapters as a PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``,
+    ``peft.PeftModel.from_pretrained(base, out_dir)`` loads it). Collective; global rank 0 writes."""
+    from safetensors.torch import save_file
+
+    settings = model_chunks[0].lora_settings
+    state_dict = export_peft_state_dict(model_chunks, destination_rank=0)
+    if dist.get_rank() == 0:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file(state_dict, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank, "lora_alpha": settings.alpha,
+                  "target_modules": settings.peft_target_modules(), "lora_dropout": 0.0, "bias": "none",
+                  "fan_in_fan_out": False, "inference_mode": True,
+                  "base_model_name_or_path": str(base_model_name_or_path)}
+        (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    dist.barrier()
 
 
 def hf_config_for_export(architecture: ModelArchitecture, *, value_head: bool):

@@ -299,10 +299,12 @@ def transformer_config_from_hf(
     *,
     use_transformer_engine: bool = False,
     perform_initialization: bool = True,
+    moe_aux_loss_coeff: float = 0.0,
     **overrides: Any,
 ):
     """megatron-core ``TransformerConfig`` for a supported HF config split as ``layout``.
 
+    ``moe_aux_loss_coeff``: weight of the load-balancing loss added to an MoE model's loss.
     ``overrides`` are passed through to TransformerConfig (e.g. ``recompute_granularity``).
     """
     from megatron.core.transformer import TransformerConfig
@@ -354,14 +356,18 @@ def transformer_config_from_hf(
         gradient_accumulation_fusion=False,  # needs apex/TE fused wgrad kernels and main_grad buffers
     )
     if architecture.moe is not None:
-        config.update(_moe_settings(architecture, fused))
+        config.update(_moe_settings(architecture, fused, moe_aux_loss_coeff))
+    elif moe_aux_loss_coeff:
+        raise UnsupportedModelError(f"moe_aux_loss_coeff={moe_aux_loss_coeff}: {architecture.model_type} is dense, "
+                                    "without experts to balance")
     config.update(overrides)
     return TransformerConfig(**config)
 
 
-def _moe_settings(architecture: ModelArchitecture, grouped_gemm: bool) -> dict[str, Any]:
+def _moe_settings(architecture: ModelArchitecture, grouped_gemm: bool, aux_loss_coeff: float) -> dict[str, Any]:
     """TransformerConfig keys of the MoE layers: the router as HF computes it (see MixtureOfExperts),
-    the all-to-all token dispatcher, TE's grouped GEMM for the experts where TE is used."""
+    the all-to-all token dispatcher, TE's grouped GEMM for the experts where TE is used, and the
+    load-balancing loss added with ``aux_loss_coeff`` > 0 (``engine.roles.load_balancing``)."""
     moe = architecture.moe
     return dict(
         num_moe_experts=moe.num_experts,
@@ -375,6 +381,6 @@ def _moe_settings(architecture: ModelArchitecture, grouped_gemm: bool) -> dict[s
         moe_layer_freq=[int(layer in moe.layers) for layer in range(architecture.num_layers)],
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=grouped_gemm,
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff else "none",
+        moe_aux_loss_coeff=aux_loss_coeff,
     )

@@ -12,7 +12,9 @@ import torch
 
 from engine.algo.losses import LossOutput, LossScale, compute_actor_loss
 from engine.config.actor_rollout_ref import ActorConfig, RefConfig
+from engine.models.lora import adapters_disabled, has_lora
 from engine.roles.batch import RolloutBatch
+from engine.roles.routing import RoutingComparison
 from engine.roles.vocab_parallel import vocab_parallel_log_probs
 from engine.roles.worker import (
     MegatronWorker,
@@ -22,6 +24,7 @@ from engine.roles.worker import (
     UpdateSchedule,
     response_columns,
 )
+from parallel.state import device
 
 
 class _PolicyMixin:
@@ -91,7 +94,7 @@ class MegatronActor(_PolicyMixin, TrainableWorker):
     ) -> None:
         super().__init__(model_chunks, config.optim, total_optimizer_steps,
                          use_distributed_optimizer=config.megatron.use_distributed_optimizer,
-                         use_remove_padding=use_remove_padding)
+                         use_remove_padding=use_remove_padding, offload=config.megatron.offloaded_parts())
         self.config = config
         self.log_prob_batches = log_prob_batches
         self.schedule = UpdateSchedule(
@@ -101,10 +104,22 @@ class MegatronActor(_PolicyMixin, TrainableWorker):
             shuffle=config.shuffle, seed=seed,
         )
 
-    def compute_old_log_probs(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
+    def compute_old_log_probs(self, batch: RolloutBatch, temperature: float, metrics: dict | None = None
+                              ) -> torch.Tensor:
         """log pi_old of the responses with the current weights (before the update), ``[B, R]``;
-        ``temperature``: the rollout's log-prob temperature (``SamplingParams.log_prob_temperature``)."""
-        return self.compute_log_probs(batch, self.log_prob_batches, temperature)["log_probs"]
+        ``temperature``: the rollout's log-prob temperature (``SamplingParams.log_prob_temperature``).
+        With the rollout's routing of an MoE model (``batch.routed_experts``), ``metrics`` gets
+        ``rollout/routed_experts_mismatch`` (``engine.roles.routing``)."""
+        if batch.routed_experts is None or not self.model_config.num_moe_experts or metrics is None:
+            return self.compute_log_probs(batch, self.log_prob_batches, temperature)["log_probs"]
+        self.routing_comparison = RoutingComparison(self.model_chunks, self.tp_rank, self.tp_size)
+        try:
+            log_probs = self.compute_log_probs(batch, self.log_prob_batches, temperature)["log_probs"]
+        finally:
+            comparison, self.routing_comparison = self.routing_comparison, None
+            comparison.close()
+        metrics["rollout/routed_experts_mismatch"] = comparison.mismatch(device())
+        return log_probs
 
     def update_policy(self, batch: RolloutBatch, temperature: float) -> dict[str, float]:
         """PPO update on ``batch`` (needs ``old_log_probs``, ``advantages``; ``ref_log_probs``
@@ -132,20 +147,26 @@ class ReferencePolicy(_PolicyMixin, MegatronWorker):
     """The frozen reference policy on the actor's layout; forward-only (no optimizer, no grads).
 
     Args:
-        model_chunks: the reference's chunks (the actor's initial weights).
+        model_chunks: the reference's chunks (the actor's initial weights); with LoRA, the actor's own
+            chunks, whose adapters are switched off for the reference's pass (no second copy of the base).
         config: ``actor_rollout_ref.ref``: the log-prob pass's micro-batches.
         use_dynamic_bsz: batch by token budget, as the actor does (``actor.use_dynamic_bsz``).
         use_remove_padding: THD sequence packing.
+        actor_offloader: with LoRA, the actor's ``ModelOffloader`` (the reference's weights are the
+            actor's); else the reference offloads by ``config.megatron.param_offload``.
     """
 
-    def __init__(self, model_chunks, config: RefConfig, *, use_dynamic_bsz: bool, use_remove_padding: bool = True
-                 ) -> None:
-        for chunk in model_chunks:
-            chunk.requires_grad_(False)
-        super().__init__(model_chunks, use_remove_padding=use_remove_padding)
+    def __init__(self, model_chunks, config: RefConfig, *, use_dynamic_bsz: bool, use_remove_padding: bool = True,
+                 actor_offloader=None) -> None:
+        if not has_lora(model_chunks):
+            for chunk in model_chunks:
+                chunk.requires_grad_(False)
+        super().__init__(model_chunks, use_remove_padding=use_remove_padding, offloader=actor_offloader,
+                         offload=("params",) if config.megatron.param_offload else ())
         self.log_prob_batches = MicroBatchConfig.of(config.log_prob_micro_batch_size_per_gpu, use_dynamic_bsz,
                                                     config.log_prob_max_token_len_per_gpu)
 
     def compute_ref_log_probs(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
         """log pi_ref of the responses, ``[B, R]`` float32 on every rank."""
-        return self.compute_log_probs(batch, self.log_prob_batches, temperature)["log_probs"]
+        with adapters_disabled(self.model_chunks):
+            return self.compute_log_probs(batch, self.log_prob_batches, temperature)["log_probs"]

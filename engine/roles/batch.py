@@ -24,6 +24,9 @@ class RolloutBatch:
         response_mask: ``[B, R]`` 1 on response tokens the losses see.
         old_log_probs, ref_log_probs, advantages: ``[B, R]``, read by the actor update.
         values, returns: ``[B, R]``, read by the critic update (``values`` = V_old).
+        routed_experts: ``[B, S, MoE layers, k]`` int16: the experts the rollout engine routed each
+            token to (-1 where it did not say: padding, every row's last token), for engines that
+            report them (``engine.roles.routing``).
     """
 
     input_ids: torch.Tensor
@@ -34,6 +37,7 @@ class RolloutBatch:
     advantages: torch.Tensor | None = None
     values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 2 or self.attention_mask.shape != self.input_ids.shape:
@@ -51,6 +55,10 @@ class RolloutBatch:
             tensor = getattr(self, name)
             if tensor is not None and tensor.shape != self.response_mask.shape:
                 raise ValueError(f"{name} {tuple(tensor.shape)} must match response_mask {tuple(self.response_mask.shape)}")
+        if self.routed_experts is not None and (self.routed_experts.dim() != 4
+                                                or self.routed_experts.shape[:2] != self.input_ids.shape):
+            raise ValueError(f"routed_experts {tuple(self.routed_experts.shape)} must be [batch={batch}, "
+                             f"seq_len={seq_len}, MoE layers, k]")
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

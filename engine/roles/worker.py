@@ -41,7 +41,10 @@ from engine.batching import (
     token_budget_micro_batches,
 )
 from engine.config.model import OptimConfig
+from engine.roles import load_balancing
 from engine.roles.batch import RolloutBatch
+from parallel.offload import PARTS as OFFLOAD_PARTS
+from parallel.offload import ModelOffloader
 from parallel.state import device
 
 
@@ -83,6 +86,7 @@ class ModelInputs:
     position_ids: torch.Tensor
     attention_mask: torch.Tensor | None
     packed_seq_params: object | None
+    padding_mask: torch.Tensor | None = None  # MoE models: True at padding, which the router's losses skip
 
 
 def response_columns(per_position: torch.Tensor, response_length: int) -> torch.Tensor:
@@ -109,6 +113,9 @@ class MegatronWorker:
         *,
         use_remove_padding: bool = True,
         ddp_chunks: Sequence[torch.nn.Module] | None = None,
+        optimizer=None,
+        offload: Sequence[str] = (),
+        offloader: ModelOffloader | None = None,
     ) -> None:
         from megatron.core import parallel_state
 
@@ -116,6 +123,9 @@ class MegatronWorker:
 
         self.model_chunks = list(model_chunks)
         self.ddp_chunks = list(ddp_chunks) if ddp_chunks is not None else None
+        # What leaves the device outside this worker's passes (``parallel.offload``); a worker on
+        # another's chunks (the LoRA reference on the actor's) shares that worker's offloader.
+        self.offloader = offloader or ModelOffloader(self.ddp_chunks or self.model_chunks, optimizer, enabled=offload)
         self.model_config = self.model_chunks[0].config
         self.use_remove_padding = use_remove_padding
         self.transformer_engine = use_transformer_engine()
@@ -126,6 +136,8 @@ class MegatronWorker:
             )
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.routing_comparison = None  # an engine.roles.routing.RoutingComparison while one runs
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
@@ -138,6 +150,7 @@ class MegatronWorker:
         if self.pp_size > 1 and self.vpp_size is None:
             # Micro-batches differ in shape (packed length, rows); stages then exchange shapes first.
             self.model_config.variable_seq_lengths = True
+        self.offloader.offload_enabled()
 
     # --- splitting --------------------------------------------------------------------------
 
@@ -182,7 +195,12 @@ class MegatronWorker:
                 packed_seq_params = layout.packed_seq_params()
             else:
                 mask = layout.block_causal_mask()
-        return ModelInputs(layout, next_token_labels(layout.input_ids), position_ids, mask, packed_seq_params)
+        padding_mask = None
+        if self.model_config.num_moe_experts:
+            padding_mask = torch.ones_like(layout.input_ids, dtype=torch.bool)
+            padding_mask[layout.layout_rows, layout.layout_cols] = False
+        return ModelInputs(layout, next_token_labels(layout.input_ids), position_ids, mask, packed_seq_params,
+                           padding_mask)
 
     def run_schedule(
         self,
@@ -211,9 +229,11 @@ class MegatronWorker:
         def forward_step(data_iterator, model):
             index = next(data_iterator)
             mb_inputs = inputs[index]
+            if self.routing_comparison is not None:
+                self.routing_comparison.expect(mb_inputs.layout, micro_batches[index].routed_experts)
             output = model(
                 mb_inputs.layout.input_ids, mb_inputs.position_ids, mb_inputs.attention_mask,
-                packed_seq_params=mb_inputs.packed_seq_params,
+                packed_seq_params=mb_inputs.packed_seq_params, padding_mask=self.stage_padding_mask(model, mb_inputs),
             )
             return output, functools.partial(_call_step, step_fn, mb_inputs, micro_batches[index])
 
@@ -239,6 +259,18 @@ class MegatronWorker:
                 chunk.train(mode)
         return list(results) if self.is_last_stage else []
 
+    def stage_padding_mask(self, model, inputs: ModelInputs) -> torch.Tensor | None:
+        """The padding mask as ``model``'s MoE layers need it: GPTModel splits it over the sequence-
+        parallel ranks only on the first pipeline stage (megatron-core 0.16.1), so later stages get
+        their slice here."""
+        from megatron.core import tensor_parallel
+        from megatron.core.utils import get_attr_wrapped_model
+
+        mask = inputs.padding_mask
+        if mask is None or not self.model_config.sequence_parallel or get_attr_wrapped_model(model, "pre_process"):
+            return mask
+        return tensor_parallel.scatter_to_sequence_parallel_region(mask.transpose(0, 1).contiguous()).transpose(0, 1)
+
     # --- collecting results ------------------------------------------------------------------
 
     def forward_per_token(
@@ -251,6 +283,10 @@ class MegatronWorker:
     ) -> dict[str, torch.Tensor]:
         """Forward-only pass; ``output_fn`` maps one micro-batch's output to ``[b, R]`` tensors
         named ``keys``. Returns each as ``[B, R]`` float32 (CPU) on every rank, in batch order."""
+        with self.offloader.resident("params"):
+            return self._forward_per_token(batch, config, output_fn, keys, config_key)
+
+    def _forward_per_token(self, batch, config, output_fn, keys, config_key) -> dict[str, torch.Tensor]:
         local, dp_parts = self.data_parallel_share(batch, balance_tokens=config.use_dynamic_bsz)
         mb_parts = self.micro_batch_indices(local, config, config_key)
         micro_batches = [local.select(ix) for ix in mb_parts]
@@ -326,15 +362,19 @@ class TrainableWorker(MegatronWorker):
     """A worker with megatron DDP, optimizer and LR schedule, running PPO-style updates."""
 
     def __init__(self, model_chunks, optim: OptimConfig, total_optimizer_steps: int, *,
-                 use_distributed_optimizer: bool, use_remove_padding: bool = True):
+                 use_distributed_optimizer: bool, use_remove_padding: bool = True, offload: Sequence[str] = ()):
         from engine.roles.optim import build_optimizer, wrap_for_training
 
         _check_tensor_parallel_attributes(model_chunks)
         ddp_chunks = wrap_for_training(model_chunks, use_distributed_optimizer)
-        super().__init__(model_chunks, use_remove_padding=use_remove_padding, ddp_chunks=ddp_chunks)
         self.optimizer, self.lr_scheduler = build_optimizer(ddp_chunks, optim, total_optimizer_steps,
                                                             use_distributed_optimizer)
+        super().__init__(model_chunks, use_remove_padding=use_remove_padding, ddp_chunks=ddp_chunks,
+                         optimizer=self.optimizer, offload=offload)
         self.num_update_calls = 0
+        self.is_moe = bool(self.model_config.num_moe_experts)
+        if self.is_moe and not self.model_config.moe_aux_loss_coeff:
+            load_balancing.record_without_adding(model_chunks)
 
     def run_updates(
         self,
@@ -347,10 +387,15 @@ class TrainableWorker(MegatronWorker):
 
         ``loss_fn(output, inputs, micro_batch, scale) -> LossOutput`` gives the micro-batch's share
         of the mini-batch loss under the global normaliser ``scale`` (``engine.algo.losses``).
-        Returns the metrics averaged over optimizer steps, plus ``grad_norm`` (before clipping)
-        and ``lr``, prefixed with ``metric_prefix``; with fp16 also ``loss_scale`` and
-        ``skipped_step_fraction`` (steps dropped for an overflow, whose grad norm is not averaged).
+        Returns the metrics averaged over optimizer steps, plus ``grad_norm`` (before clipping),
+        ``lr`` and, for an MoE model, ``moe_load_balancing_loss`` (``engine.roles.load_balancing``),
+        prefixed with ``metric_prefix``; with fp16 also ``loss_scale`` and ``skipped_step_fraction``
+        (steps dropped for an overflow, whose grad norm is not averaged).
         """
+        with self.offloader.resident(*OFFLOAD_PARTS):
+            return self._run_updates(batch, schedule, loss_fn, metric_prefix)
+
+    def _run_updates(self, batch, schedule, loss_fn, metric_prefix) -> dict[str, float]:
         from engine.algo.losses import LossScale, count_tokens_and_sequences
 
         if len(batch) % schedule.ppo_mini_batch_size:
@@ -386,12 +431,16 @@ class TrainableWorker(MegatronWorker):
                 for chunk in self.ddp_chunks:
                     chunk.zero_grad_buffer()
                 self.optimizer.zero_grad()
+                load_balancing.clear()
                 results = self.run_schedule(micro_batches, step, forward_only=False)
                 # Step the schedule first, so optimizer step k uses the LR of step k (1-based):
                 # with warm-up from 0 the first step would otherwise not move the weights.
                 self.lr_scheduler.step(increment=1)
                 updated, grad_norm, _ = self.optimizer.step()
                 metrics = self.reduce_metrics(results)
+                if self.is_moe:
+                    metrics["moe_load_balancing_loss"] = load_balancing.take_load_balancing_loss(
+                        self.model_chunks[0].hf_architecture, len(micro_batches))
                 if grad_norm is not None:  # None: a skipped fp16 step, which has no norm to average
                     metrics["grad_norm"] = float(grad_norm)
                 metrics["lr"] = self.optimizer.param_groups[0]["lr"]

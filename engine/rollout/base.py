@@ -104,6 +104,10 @@ class RolloutSample:
     # log_softmax(logits / T) of each sampled token (see the module docstring); len == len(token_ids)
     log_probs: list[float]
     finish_reason: FinishReason
+    # MoE models, where the engine reports it: the experts each token of prompt + response was routed
+    # to, the last token excepted (it was never fed back), [tokens - 1, MoE layers, top-k] int16;
+    # SGLang's return_routed_experts layout.
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclasses.dataclass

@@ -130,7 +130,11 @@ def _sglang_sampling_params(params: SamplingParams) -> dict[str, Any]:
 def _parse_sample(item: dict[str, Any]) -> RolloutSample:
     meta = item["meta_info"]
     token_ids = [int(t) for t in item["output_ids"]]
-    log_probs = [float(lp) for lp, _token, _text in meta.get("output_token_logprobs") or []]
+    log_probs = [lp for lp, _token, _text in meta.get("output_token_logprobs") or []]
+    if None in log_probs:  # JSON has no NaN or infinity: the server sends null for them
+        raise RolloutError(f"SGLang returned a non-finite log-prob (null) for output token {log_probs.index(None)} "
+                           f"of {len(log_probs)}: the served weights or the sampler produced NaN or inf")
+    log_probs = [float(lp) for lp in log_probs]
     # An aborted request can report fewer log-probs than tokens; keep the aligned prefix.
     length = min(len(token_ids), len(log_probs))
     reason = (meta.get("finish_reason") or {}).get("type", "abort")

@@ -3,6 +3,8 @@
 The default on CPU. Batched and KV-cached (``model.generate`` with left padding); the sampling rule
 and the log-prob definition are SGLang's (see ``engine/rollout/base.py``), implemented by one
 logits processor that both filters the distribution and records the log-prob of each sampled token.
+For MoE models it also records the experts every token was routed to while generating
+(``RolloutSample.routed_experts``), from forward hooks on transformers' routers.
 """
 from __future__ import annotations
 
@@ -102,6 +104,32 @@ class _PauseCriteria(transformers.StoppingCriteria):
         return torch.full((input_ids.shape[0],), aborted, dtype=torch.bool, device=input_ids.device)
 
 
+class _RoutingRecorder:
+    """The top-k expert indices transformers' MoE routers (``*TopKRouter``, which return logits,
+    weights and indices) pick in each forward of one ``generate`` call: the prefill over the padded
+    prompts, then one position per decoding step."""
+
+    def __init__(self, model: torch.nn.Module, rows: int) -> None:
+        self.rows = rows
+        routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        self.steps: list[list[torch.Tensor]] = [[] for _ in routers]
+        self._handles = [router.register_forward_hook(self._hook(layer)) for layer, router in enumerate(routers)]
+
+    def _hook(self, layer: int):
+        def record(module, args, output) -> None:
+            indices = output[2]
+            self.steps[layer].append(indices.reshape(self.rows, -1, indices.shape[-1]).to("cpu", torch.int16))
+        return record
+
+    def close(self) -> torch.Tensor | None:
+        """``[rows, positions fed, MoE layers, k]``, None for a dense model."""
+        for handle in self._handles:
+            handle.remove()
+        if not self.steps or not self.steps[0]:
+            return None
+        return torch.stack([torch.cat(layer, dim=1) for layer in self.steps], dim=2)
+
+
 def _return_freed_heap_to_the_os() -> None:
     """glibc keeps freed heap blocks for reuse (blocks under its adaptive mmap threshold, up to 32 MiB,
     live on the heap), so freed CPU tensors may not leave the process; ``malloc_trim`` returns them."""
@@ -198,14 +226,18 @@ class TorchRolloutEngine(RolloutEngine):
         if not params.is_greedy:
             # Temperature and top-k/top-p live in the processor; HF's own warpers stay off.
             generation_config.update(temperature=1.0, top_k=0, top_p=1.0)
-        # HF generation makes thousands of small torch calls and needs no CUDA->CPU rewriting.
-        output = without_device_rewriting(self.model.generate)(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
-            generation_config=generation_config,
-            logits_processor=transformers.LogitsProcessorList([processor]),
-            stopping_criteria=transformers.StoppingCriteriaList([_PauseCriteria(self, epoch)]),
-        )
+        recorder = _RoutingRecorder(self.model, len(rows))
+        try:
+            # HF generation makes thousands of small torch calls and needs no CUDA->CPU rewriting.
+            output = without_device_rewriting(self.model.generate)(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                generation_config=generation_config,
+                logits_processor=transformers.LogitsProcessorList([processor]),
+                stopping_criteria=transformers.StoppingCriteriaList([_PauseCriteria(self, epoch)]),
+            )
+        finally:
+            routed = recorder.close()
         generated = output.sequences[:, width:]
         aborted = self._abort_epoch != epoch
         if generated.shape[1] == 0:
@@ -223,7 +255,10 @@ class TorchRolloutEngine(RolloutEngine):
                 length, reason = len(tokens), "length"
             else:
                 length, reason = len(tokens), "abort"
-            samples.append(RolloutSample(tokens[:length], log_probs[i, :length].tolist(), reason))
+            experts = None
+            if routed is not None:  # the prompt and the response, its last token excepted
+                experts = routed[i, width - len(rows[i]):width + length - 1].clone()
+            samples.append(RolloutSample(tokens[:length], log_probs[i, :length].tolist(), reason, experts))
         return samples
 
     # ----------------------------------------------------------------------------- weights

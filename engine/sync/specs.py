@@ -21,14 +21,12 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 def owner_of(megatron_name: str, architecture: ModelArchitecture, layout: TrainingLayout) -> tuple[int, int]:
-    """(pipeline rank, virtual pipeline chunk) holding ``megatron_name`` in megatron's interleaved
-    assignment: chunk c of L / (pp * vpp) consecutive layers sits on stage c % pp as its chunk c // pp.
-    """
+    """(pipeline rank, virtual pipeline chunk) holding ``megatron_name`` (``ParallelLayout.layer_owner``
+    for a layer's weights)."""
     pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_stages
     match = _LAYER.match(megatron_name)
     if match:
-        chunk = int(match.group(1)) // (architecture.num_layers // (pp * vpp))
-        return chunk % pp, chunk // pp
+        return layout.parallel_layout.layer_owner(int(match.group(1)), architecture.num_layers)
     if megatron_name.startswith("embedding."):
         return 0, 0
     return pp - 1, vpp - 1  # final norm, output layer / value head

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config.actor_rollout_ref import RolloutConfig
+from engine.models.lora import merged_weights
 from engine.rollout.base import RolloutEngine, SamplingParams
 from engine.sync.specs import local_parameters, parameter_specs, unwrap
 from parallel.hybrid_engine import (
@@ -87,14 +88,18 @@ class WeightSynchronizer:
         self.plan = ReshardPlan(self.layout, self.specs, ReshardTarget(target), self.dtype)
         self.groups = build_groups(self.layout, self.plan.tensor_gather_size)
         self._parameters = local_parameters(self.model_chunks, self.specs, stage, coordinates.expert)
-        self.executor = ReshardExecutor(
-            self.plan, self.groups, lambda spec: self._parameters[spec.megatron_name], device=device()
-        )
+        # LoRA: the engine serves W + scaling B A, merged one weight at a time as its bucket goes.
+        self._merged = merged_weights([unwrap(chunk) for chunk in self.model_chunks])
+        self.executor = ReshardExecutor(self.plan, self.groups, self._local_shard, device=device())
         self.is_replica_leader = self.layout.generation_coordinates(self.rank).tensor == 0
         # The ranks that hand weights to an engine (the others only take part in the collectives).
         self.pushes_weights = (self.plan.sends_stage(stage, self.rank) and coordinates.tensor == 0
                                if self.disaggregated else self.is_replica_leader)
         self.traffic = self.plan.traffic(self.rank)
+
+    def _local_shard(self, spec) -> torch.Tensor:
+        merge = self._merged.get(spec.megatron_name)
+        return merge() if merge is not None else self._parameters[spec.megatron_name]
 
     def iter_weight_shards(self, fingerprints: bool = False) -> Iterator[list[WeightShard]]:
         """This rank's received tensors, bucket by bucket (collective: iterate on every rank)."""

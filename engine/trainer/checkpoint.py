@@ -290,7 +290,25 @@ def _unwrapped(model_chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]
 
 def _model_sharded_state_dict(model_chunks: Sequence[torch.nn.Module]) -> dict[str, Any]:
     # Tensor keys are global layer names, so chunk boundaries (PP/VPP) may differ at load time.
-    return {f"chunk{index}": chunk.sharded_state_dict() for index, chunk in enumerate(_unwrapped(model_chunks))}
+    return {f"chunk{index}": _without_frozen(chunk.sharded_state_dict())
+            for index, chunk in enumerate(_unwrapped(model_chunks))}
+
+
+def _without_frozen(state: dict[str, Any]) -> dict[str, Any]:
+    """Drop frozen parameters (LoRA's base weights, loaded from ``model.path`` at start-up): a
+    checkpoint holds what trains (the adapters) and its optimizer state."""
+    return {key: value for key, value in state.items()
+            if not (isinstance(getattr(value, "data", None), torch.nn.Parameter) and not value.data.requires_grad)}
+
+
+def _load_model_state(chunk: torch.nn.Module, state: dict[str, Any]) -> None:
+    """``load_state_dict`` that accepts the absence of frozen parameters only."""
+    result = chunk.load_state_dict(state, strict=False)
+    frozen = {name for name, param in chunk.named_parameters() if not param.requires_grad}
+    missing = [key for key in result.missing_keys if key not in frozen]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"checkpoint does not fit the model: missing {missing[:5]}, "
+                              f"unexpected {result.unexpected_keys[:5]}")
 
 
 def _target_sharded_state_dict(target: CheckpointTarget, *, is_loading: bool, with_optimizer: bool) -> dict[str, Any]:
@@ -505,7 +523,7 @@ class CheckpointManager:
             loaded = dist_checkpointing.load(request, str(model_dir),
                                              sharded_strategy=_load_strategy(self.fully_parallel, model_dir))
             for index, chunk in enumerate(_unwrapped(target.model_chunks)):
-                chunk.load_state_dict(loaded["model"][f"chunk{index}"], strict=True)
+                _load_model_state(chunk, loaded["model"][f"chunk{index}"])
             if with_optimizer:
                 _load_optimizer_state(target.optimizer, loaded["optimizer"])
                 if target.lr_scheduler is not None:

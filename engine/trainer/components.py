@@ -7,6 +7,7 @@ the replica's leader rank) and the weight synchroniser between them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from engine.algo.kl import build_kl_controller
 from engine.config import ExperimentConfig, MegatronConfig, ModelConfig
 from engine.data import PromptDataLoader, PromptDataset
+from engine.models.lora import describe as describe_lora
 from engine.rewards.judge import JudgeClient
 from engine.rewards.manager import RewardManager
 from engine.rewards.reward_model import RewardModelScorer
@@ -32,6 +34,7 @@ from engine.trainer.loggers import write_prometheus_target
 from engine.trainer.rollout import RolloutAhead
 from engine.trainer.run_dir import RunDirectory
 from parallel.hybrid_engine import HybridLayout
+from parallel.offload import PARTS as OFFLOAD_PARTS
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +65,16 @@ class PPOComponents:
     # The batch the servers generate while the trainer trains (trainer.max_staleness=1).
     rollout_ahead: RolloutAhead = field(default_factory=RolloutAhead)
 
+    @contextlib.contextmanager
+    def trained_models_resident(self):
+        """The actor's and critic's weights, gradients and optimizer state on the device inside the
+        block (checkpoints, export), whatever they offload between phases."""
+        with contextlib.ExitStack() as stack:
+            for role in (self.actor, self.critic):
+                if role is not None:
+                    stack.enter_context(role.offloader.resident(*OFFLOAD_PARTS))
+            yield
+
     def checkpoint_targets(self) -> dict[str, CheckpointTarget]:
         targets = {"actor": CheckpointTarget(self.actor.ddp_chunks, self.actor.optimizer, self.actor.lr_scheduler)}
         if self.critic is not None:
@@ -80,6 +93,7 @@ def _build_model(model: ModelConfig, megatron: MegatronConfig, value_head: bool,
 
     from engine.models.checkpoint import CheckpointError, load_hf_weights
     from engine.models.gpt import build_model_chunks, recompute_settings
+    from engine.models.lora import add_lora
 
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
         torch.manual_seed(megatron.seed)
@@ -88,8 +102,12 @@ def _build_model(model: ModelConfig, megatron: MegatronConfig, value_head: bool,
         # overwrites every value (value head excepted on a fresh critic).
         chunks = build_model_chunks(model.path, megatron.layout(), value_head=value_head, initialize_weights=True,
                                     params_dtype=getattr(torch, megatron.param_dtype),
+                                    moe_aux_loss_coeff=megatron.moe_aux_loss_coeff if trained else 0.0,
                                     **recompute_settings(trained and model.enable_gradient_checkpointing))
     missing = load_hf_weights(chunks, model.path)
+    lora = model.lora_settings(megatron.seed) if trained else None
+    if lora is not None:
+        add_lora(chunks, lora)  # targets checked by engine.trainer.preflight
     # A frozen scorer (the reward model) needs its trained head; HF's has no bias (ours stays 0).
     if value_head and not trained and "output_layer.weight" in missing:
         raise CheckpointError(f"{model.path} has no score head (score.weight): the reward model must be a "
@@ -134,10 +152,16 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
         samples_per_prompt=n, total_optimizer_steps=_optimizer_steps(actor_iterations, actor, data), seed=seed,
         use_remove_padding=arr.model.use_remove_padding)
 
+    if arr.model.lora_rank:
+        say(f"[trident] actor: {describe_lora(actor_role.model_chunks)}")
     reference = None
     if cfg.algorithm.use_kl_in_reward or actor.use_kl_loss:
-        reference = ReferencePolicy(_build_model(arr.model, actor.megatron, value_head=False, trained=False), arr.ref,
-                                    use_dynamic_bsz=actor.use_dynamic_bsz, use_remove_padding=arr.model.use_remove_padding)
+        # With LoRA the reference is the actor with its adapters off: no second copy of the base.
+        chunks = actor_role.model_chunks if arr.model.lora_rank else _build_model(arr.model, actor.megatron,
+                                                                                  value_head=False, trained=False)
+        reference = ReferencePolicy(chunks, arr.ref, use_dynamic_bsz=actor.use_dynamic_bsz,
+                                    use_remove_padding=arr.model.use_remove_padding,
+                                    actor_offloader=actor_role.offloader if arr.model.lora_rank else None)
 
     critic = None
     if cfg.algorithm.uses_critic:
@@ -158,6 +182,7 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
         engine = _build_engine(cfg, run, weight_sync.layout) if weight_sync.is_replica_leader else None
     judge, judge_server = _start_judge(cfg, run) if cfg.reward_model.judge.enable else (None, None)
     dist.barrier()
+    _report_offload({"actor": actor_role, "reference": reference, "critic": critic})
 
     return PPOComponents(
         tokenizer=tokenizer, train_loader=train_loader, val_loader=val_loader, actor=actor_role, reference=reference,
@@ -167,6 +192,17 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
         checkpoints=CheckpointManager(run.checkpoints_dir, max_ckpt_to_keep=cfg.trainer.max_ckpt_to_keep),
         total_training_steps=total_steps, data_parallel_group=parallel_state.get_data_parallel_group(),
     )
+
+
+def _report_offload(roles: dict) -> None:
+    """One line naming what each model keeps in host memory between its phases, if anything."""
+    offloaders: dict[int, tuple[str, object]] = {}
+    for name, role in roles.items():  # the LoRA reference shares the actor's
+        if role is not None and role.offloader.enabled:
+            offloaders.setdefault(id(role.offloader), (name, role.offloader))
+    if offloaders:
+        parts = "; ".join(f"{name} {', '.join(offloader.enabled)}" for name, offloader in offloaders.values())
+        say(f"[trident] kept in host memory outside their phases: {parts}")
 
 
 def _rule_scores_available(cfg: ExperimentConfig, rewards: RewardManager, data_sources: set[str]) -> bool:

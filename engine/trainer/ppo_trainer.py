@@ -21,6 +21,7 @@ from engine.algo.rollout_correction import compute_rollout_correction
 from engine.algo.stats import masked_mean
 from engine.config import ExperimentConfig
 from engine.config.reward_model import RewardCombineConfig
+from engine.models.checkpoint import save_peft_adapter
 from engine.rewards.combine import RewardScores, combine_rewards
 from engine.rewards.manager import decode_responses, token_level_scores
 from engine.rewards.spmd import score_on_all_ranks
@@ -48,8 +49,10 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
     say(f"[trident] {trainer.project_name}/{trainer.experiment_name}: {run.summary()}")
     profiler = StepProfiler(trainer.profile, rank, run.profile_dir)
     parts = build_components(cfg, run)
-    step = resume_from_checkpoint(cfg, parts)
-    parts.weight_sync.sync(parts.engine)  # the engine serves exactly the (possibly resumed) actor
+    with parts.trained_models_resident():
+        step = resume_from_checkpoint(cfg, parts)
+    with parts.actor.offloader.resident("params"):
+        parts.weight_sync.sync(parts.engine)  # the engine serves exactly the (possibly resumed) actor
     tracker = Tracker(trainer.logger, run=run, total_steps=parts.total_training_steps, start_step=step,
                       project=trainer.project_name, experiment=trainer.experiment_name,
                       config=OmegaConf.to_container(OmegaConf.structured(cfg)), prometheus_port=trainer.prometheus_port)
@@ -75,12 +78,24 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
         parts.engine.shutdown()
     if parts.judge_server is not None:
         parts.judge_server.stop()
-    if trainer.export_hf_at_end and not trainer.val_only:
-        path = export_hf_model(parts.actor.model_chunks, run.hf_export_dir("actor"),
-                               copy_non_weight_files_from=cfg.actor_rollout_ref.model.path)
-        say(f"[trident] actor exported as a HuggingFace model: {path}")
+    if not trainer.val_only:
+        with parts.actor.offloader.resident("params"):
+            export_actor(cfg, parts, run)
     say(f"[trident] done after {step} steps: {tracker.summary()}\n[trident] {run.summary()}")
     return metrics
+
+
+def export_actor(cfg: ExperimentConfig, parts: PPOComponents, run: RunDirectory) -> None:
+    """The trained actor as a HuggingFace folder (``trainer.export_hf_at_end``; with LoRA the
+    adapters merged into the base) and, with LoRA, the adapters alone as a PEFT folder."""
+    model = cfg.actor_rollout_ref.model
+    if model.lora_rank:
+        save_peft_adapter(parts.actor.model_chunks, run.hf_export_dir("actor_adapter"),
+                          base_model_name_or_path=model.path)
+        say(f"[trident] actor's LoRA adapters exported as a PEFT folder: {run.hf_export_dir('actor_adapter')}")
+    if cfg.trainer.export_hf_at_end:
+        path = export_hf_model(parts.actor.model_chunks, run.hf_export_dir("actor"), copy_non_weight_files_from=model.path)
+        say(f"[trident] actor exported as a HuggingFace model{' (adapters merged)' if model.lora_rank else ''}: {path}")
 
 
 def training_batches(loader, ahead: bool):
@@ -128,7 +143,7 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
         batch.old_log_probs, rollout_log_probs = rollout_log_probs, None
     else:
         with phase("old_log_prob", metrics):
-            batch.old_log_probs = parts.actor.compute_old_log_probs(batch, temperature)
+            batch.old_log_probs = parts.actor.compute_old_log_probs(batch, temperature, metrics)
     if rollout.check_weight_sync and rollout.name != "torch":  # the embedded engine was checked by fingerprints
         check_rollout_log_probs(rollout_log_probs, batch.old_log_probs, batch.response_mask,
                                 rollout.check_weight_sync_tolerance)
@@ -167,7 +182,8 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
     with phase("update_weights", metrics):  # every step: released weights must be pushed again
         metrics["perf/wait_rollout_ahead_s"] = parts.rollout_ahead.wait_idle()  # the servers must be idle
         _resume_engine_memory(parts, (WEIGHTS,))
-        sync = parts.weight_sync.sync(parts.engine)
+        with parts.actor.offloader.resident("params"):
+            sync = parts.weight_sync.sync(parts.engine)
         _resume_engine_memory(parts, (KV_CACHE,))
     metrics["timing_s/step"] = time.perf_counter() - start  # phase() names its entries timing_s/<phase>
     metrics["perf/weight_sync_received_mb"] = sync.stats.bytes_received / 2**20  # this rank, in the engine's dtype
@@ -306,7 +322,8 @@ def save_checkpoint(parts: PPOComponents, step: int, sampler_state: dict) -> Non
     extra = {"step": step, "sampler": sampler_state, "kl_controller": parts.kl_controller.state_dict(),
              # the roles seed each update's mini-batch shuffle with their call count
              "update_calls": {name: role.num_update_calls for name, role in _trained_roles(parts).items()}}
-    path = parts.checkpoints.save(step, parts.checkpoint_targets(), extra_state=extra)
+    with parts.trained_models_resident():
+        path = parts.checkpoints.save(step, parts.checkpoint_targets(), extra_state=extra)
     say(f"[trident] checkpoint saved: {path}")
 
 

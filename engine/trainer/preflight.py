@@ -22,6 +22,7 @@ def check_inputs(cfg: ExperimentConfig, *, data: bool = True) -> None:
     model = cfg.actor_rollout_ref.model
     architecture = check_model_folder("actor_rollout_ref.model.path", model.path)
     check_trainable_layout(architecture, cfg.actor_rollout_ref.actor.megatron, "actor_rollout_ref.actor.megatron")
+    check_lora_targets(architecture, model)
     if cfg.algorithm.uses_critic:
         if cfg.critic.model.path != model.path:
             architecture = check_model_folder("critic.model.path", cfg.critic.model.path)
@@ -79,6 +80,19 @@ def check_trainable_layout(architecture, megatron, key: str) -> None:
     if architecture.moe is not None and tp > 1 and not layout.sequence_parallel:
         raise InputError(f"{key}.sequence_parallel=false: megatron-core trains the MoE layers of "
                          f"{architecture.model_type} at tensor_model_parallel_size={tp} only with sequence parallelism")
+    if architecture.moe is None and megatron.moe_aux_loss_coeff > 0:
+        raise InputError(f"{key}.moe_aux_loss_coeff={megatron.moe_aux_loss_coeff}: the load-balancing loss needs a "
+                         f"Mixture-of-Experts model; {architecture.model_type} is dense")
+
+
+def check_lora_targets(architecture, model) -> None:
+    """LoRA adapts dense layers only: the experts of an MoE model have no adapters yet."""
+    lora = model.lora_settings(seed=0)
+    if lora is not None and architecture.moe is not None and any(
+            layer.startswith("mlp.") for layer in lora.megatron_layers()):
+        raise InputError(f"actor_rollout_ref.model.target_modules={model.target_modules}: LoRA on the expert "
+                         f"layers of {architecture.model_type} is not built yet; adapt the attention only "
+                         "(q_proj, k_proj, v_proj, o_proj)")
 
 
 def load_tokenizer(path: str, trust_remote_code: bool, key: str = "actor_rollout_ref.model.tokenizer_path") -> Any:

@@ -60,7 +60,7 @@ def generate(parts, prompts, params: SamplingParams, policy_version: int = 0) ->
 
 def _timed_generate(engine, prompts: list, params: SamplingParams) -> tuple[list, float]:
     start = time.perf_counter()
-    responses = [(s[0].token_ids, s[0].log_probs) for s in engine.generate(prompts, params)]
+    responses = [(s[0].token_ids, s[0].log_probs, s[0].routed_experts) for s in engine.generate(prompts, params)]
     return responses, time.perf_counter() - start
 
 
@@ -152,18 +152,26 @@ class RolloutAhead:
 
 
 def to_rollout_batch(prompts, responses, response_length: int, pad_id: int):
-    """Left-padded prompts and right-padded responses as one ``RolloutBatch``, and the engine's
-    log-probs in the response layout (0 on padding)."""
+    """Left-padded prompts and right-padded responses as one ``RolloutBatch`` (with the experts each
+    token was routed to, where the engine reported them), and the engine's log-probs in the
+    response layout (0 on padding). ``responses``: (token ids, log-probs, routed experts or None)."""
     prompt_length = max(len(p) for p in prompts)
     rows = len(prompts)
     input_ids = torch.full((rows, prompt_length + response_length), pad_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     response_mask = torch.zeros(rows, response_length)
     rollout_log_probs = torch.zeros(rows, response_length)
-    for i, (prompt, (tokens, log_probs)) in enumerate(zip(prompts, responses)):
-        input_ids[i, prompt_length - len(prompt):prompt_length] = torch.as_tensor(prompt)
-        attention_mask[i, prompt_length - len(prompt):prompt_length + len(tokens)] = 1
+    routed_experts = None
+    reported = next((routed for _, _, routed in responses if routed is not None), None)
+    if reported is not None:
+        routed_experts = torch.full((*input_ids.shape, *reported.shape[1:]), -1, dtype=torch.int16)
+    for i, (prompt, (tokens, log_probs, routed)) in enumerate(zip(prompts, responses)):
+        start = prompt_length - len(prompt)
+        input_ids[i, start:prompt_length] = torch.as_tensor(prompt)
+        attention_mask[i, start:prompt_length + len(tokens)] = 1
         input_ids[i, prompt_length:prompt_length + len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
         response_mask[i, :len(tokens)] = 1
         rollout_log_probs[i, :len(tokens)] = torch.as_tensor(log_probs)
-    return RolloutBatch(input_ids, attention_mask, response_mask), rollout_log_probs
+        if routed is not None:
+            routed_experts[i, start:start + len(routed)] = routed
+    return RolloutBatch(input_ids, attention_mask, response_mask, routed_experts=routed_experts), rollout_log_probs

@@ -13,19 +13,26 @@ import sys
 import torch
 
 CASES = [
-    # name, model_type, tie, tp, pp, param dtype, distributed optimizer, value head
-    ("llama_tp2_dp2_bf16_distopt", "llama", False, 2, 1, "bfloat16", True, False),
-    ("qwen2_pp2_dp2_bf16_distopt_critic", "qwen2", False, 1, 2, "bfloat16", True, True),
-    ("llama_tied_tp2_pp2_fp32_adam", "llama", True, 2, 2, "float32", False, False),
+    # name, model_type, tie, tp, pp, param dtype, distributed optimizer, value head, expert parallel
+    ("llama_tp2_dp2_bf16_distopt", "llama", False, 2, 1, "bfloat16", True, False, 1),
+    ("qwen2_pp2_dp2_bf16_distopt_critic", "qwen2", False, 1, 2, "bfloat16", True, True, 1),
+    ("llama_tied_tp2_pp2_fp32_adam", "llama", True, 2, 2, "float32", False, False, 1),
+    # experts on 2 EP ranks: their optimizer state sharded over expert-DP 1 (with TP2) and 2 (DP4)
+    ("qwen3moe_tp2_ep2_bf16_distopt", "qwen3_moe", False, 2, 1, "bfloat16", True, False, 2),
+    ("qwen3moe_ep2_dp4_bf16_distopt", "qwen3_moe", False, 1, 1, "bfloat16", True, False, 2),
 ]
+# The MoE model: 4 experts of 32, top 2, layer 1 dense (a stage of mixed layers).
+MOE_FIELDS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
+                  decoder_sparse_step=1, norm_topk_prob=True, head_dim=16)
 
 
 def hf_config(model_type: str, tie: bool):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
-    cls = LlamaConfig if model_type == "llama" else Qwen2Config
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig}[model_type]
+    extra = MOE_FIELDS if model_type == "qwen3_moe" else {}
     return cls(hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, vocab_size=300, max_position_embeddings=64, tie_word_embeddings=tie)
+               num_key_value_heads=2, vocab_size=300, max_position_embeddings=64, tie_word_embeddings=tie, **extra)
 
 
 def storage_bytes(tensors) -> int:
@@ -47,8 +54,8 @@ def measure(case) -> dict:
     from parallel.layout import ParallelLayout
     from parallel.state import initialize_model_parallel
 
-    name, model_type, tie, tp, pp, dtype, distopt, value_head = case
-    layout = ParallelLayout(tp, pp)
+    name, model_type, tie, tp, pp, dtype, distopt, value_head, ep = case
+    layout = ParallelLayout(tp, pp, expert_model_parallel_size=ep, sequence_parallel=tp > 1)
     initialize_model_parallel(layout, seed=3)
     bf16 = dtype == "bfloat16"
     chunks = build_model_chunks(hf_config(model_type, tie), layout, value_head=value_head,

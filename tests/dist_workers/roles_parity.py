@@ -11,8 +11,9 @@ fixed batch (built from --seed, identical on every rank and in every launch):
 Rank 0 writes ``{layout: {...}}`` to --out (JSON) and the weights to --out-dir/<layout>.pt; the
 pytest side compares layouts. ``--check-vocab-parallel`` additionally checks the vocab-parallel
 log-prob/entropy (values and gradients) against a float64 full-softmax reference at this world's
-TP size, and ``--check-reference`` compares old log-probs with transformers' forward (float64)
-and checks ppo_kl == 0 on the first update.
+TP size, ``--check-reference`` compares old log-probs with transformers' forward (float64)
+and checks ppo_kl == 0 on the first update, and ``--check-load-balancing`` / ``--check-routing``
+check an MoE model's load-balancing loss and its routing-mismatch metric.
 """
 
 from __future__ import annotations
@@ -78,13 +79,13 @@ def set_value_head(chunks, seed: int) -> None:
                 head.bias.fill_(0.1)
 
 
-def configs(spec: dict, dp_size: int, ppo_mini_batch_size: int = 4, shuffle: bool = True):
+def configs(spec: dict, dp_size: int, ppo_mini_batch_size: int = 4, shuffle: bool = True, micro: int | None = None):
     """Actor and critic settings (the experiment's own classes) and the actor's log-prob batching."""
     from engine.config import ActorConfig, CriticConfig, MegatronConfig, OptimConfig
     from engine.roles import MicroBatchConfig
 
     # 2 micro-batches per mini-batch on every layout: 4 sequences / DP ranks / micro size.
-    micro = max(1, ppo_mini_batch_size // dp_size // 2)
+    micro = micro or max(1, ppo_mini_batch_size // dp_size // 2)
     common = dict(ppo_epochs=1, ppo_mini_batch_size=ppo_mini_batch_size, ppo_micro_batch_size_per_gpu=micro,
                   use_dynamic_bsz=spec["dynamic"], ppo_max_token_len_per_gpu=24, shuffle=shuffle,
                   optim=OptimConfig(lr=1e-3, betas=[0.9, 0.95], weight_decay=0.1, max_grad_norm=0.5, lr_warmup_steps=1,
@@ -221,6 +222,103 @@ def check_reference(hf_dir: Path, seed: int, results: dict) -> None:
     results["reference"] = out
 
 
+def check_load_balancing(hf_dir: Path, seed: int, results: dict) -> None:
+    """The MoE load-balancing loss: reported at coefficient 0 as a float64 transformers reference
+    computes it, the same when megatron adds it (coefficient 0.5), and the added loss's update the
+    same at EP1/DP4 and EP2xTP2+SP/DP2. One optimizer step over the 8 sequences, one sequence per
+    micro-batch (the loss is per micro-batch), so the reference is the mean over sequences."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.checkpoint import export_hf_state_dict, load_hf_weights
+    from engine.models.gpt import build_model_chunks
+    from engine.roles import MegatronActor
+
+    # transformers' grouped-GEMM experts have no float64 kernel; its per-expert loop does.
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64, experts_implementation="eager").eval()
+    batch = make_batch(hf_model.config.vocab_size, seed)
+    experts, k = hf_model.config.num_experts, hf_model.config.num_experts_per_tok
+    per_sequence = []
+    with torch.no_grad():
+        for row in range(len(batch)):
+            tokens = batch.input_ids[row][batch.attention_mask[row].bool()]
+            layers = hf_model(tokens[None], output_router_logits=True).router_logits
+            losses = []
+            for logits in layers:  # Switch Transformer: E * sum_i f_i * P_i
+                probs = torch.softmax(logits, -1)
+                chosen = torch.zeros_like(probs).scatter(1, probs.topk(k, dim=-1).indices, 1.0)
+                losses.append(experts * (chosen.mean(0) / k * probs.mean(0)).sum())
+            per_sequence.append(torch.stack(losses).mean())
+    out = {"reference": float(torch.stack(per_sequence).mean())}
+
+    for name, spec, coeff in (("ep1", dict(ep=1), 0.0), ("ep1_added", dict(ep=1), 0.5),
+                              ("ep2_tp2_added", dict(ep=2, tp=2, sp=True), 0.5)):
+        spec = dict(dict(tp=1, pp=1, vpp=None, sp=False, packing=False, dynamic=False), **spec)
+        layout = use_layout(spec)
+        from megatron.core import parallel_state
+
+        actor_config, _, log_prob_batches = configs(spec, parallel_state.get_data_parallel_world_size(),
+                                                    ppo_mini_batch_size=8, shuffle=False, micro=1)
+        actor_config.megatron.moe_aux_loss_coeff = coeff
+        chunks = build_model_chunks(hf_dir, layout, moe_aux_loss_coeff=coeff)
+        load_hf_weights(chunks, hf_dir)
+        actor = MegatronActor(chunks, actor_config, log_prob_batches=log_prob_batches, samples_per_prompt=1,
+                              total_optimizer_steps=4, seed=SEED)
+        old = actor.compute_old_log_probs(batch, TEMPERATURE)
+        metrics = actor.update_policy(replace(batch, old_log_probs=old), TEMPERATURE)
+        weights = export_hf_state_dict(chunks)  # collective; {} off rank 0
+        out[name] = {"loss": metrics["actor/moe_load_balancing_loss"], "grad_norm": metrics["actor/grad_norm"],
+                     "routers": {key: value.tolist() for key, value in weights.items() if key.endswith("mlp.gate.weight")}}
+    results["load_balancing"] = out
+
+
+def check_routing_mismatch(hf_dir: Path, seed: int, results: dict) -> None:
+    """``rollout/routed_experts_mismatch`` of the old-log-prob pass at several layouts, against the
+    routing transformers computes (float64) for every token but each row's last: 0 differing pairs,
+    and exactly the corrupted share after replacing a quarter of layer 0's expert sets with others."""
+    from megatron.core import parallel_state
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.checkpoint import load_hf_weights
+    from engine.models.gpt import build_model_chunks
+    from engine.roles import MegatronActor
+
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64, experts_implementation="eager").eval()
+    batch = make_batch(hf_model.config.vocab_size, seed)
+    k = hf_model.config.num_experts_per_tok
+    rows, width = batch.input_ids.shape
+    layers = hf_model.config.num_hidden_layers - len(hf_model.config.mlp_only_layers)
+    routed = torch.full((rows, width, layers, k), -1, dtype=torch.int16)
+    with torch.no_grad():
+        for row in range(rows):
+            columns = batch.attention_mask[row].nonzero().flatten()
+            logits = hf_model(batch.input_ids[row, columns][None], output_router_logits=True).router_logits
+            chosen = torch.stack([layer.softmax(-1).topk(k).indices for layer in logits], dim=1)  # [T, L, k]
+            routed[row, columns[:-1]] = chosen[:-1].to(torch.int16)  # an engine never feeds the last token
+    corrupted = routed.clone()
+    pairs = (corrupted[:, :, 0, 0] >= 0).nonzero()[::4]  # every 4th reported token, layer 0
+    experts = hf_model.config.num_experts
+    for row, column in pairs.tolist():
+        others = [e for e in range(experts) if e not in corrupted[row, column, 0].tolist()]
+        corrupted[row, column, 0] = torch.tensor(others[:k], dtype=torch.int16)
+    out = {"compared": int((routed[..., 0] >= 0).sum()), "corrupted": len(pairs)}
+    # tp,pp,vpp,sp,packing,dynamic,ep
+    for text in ("1,1,0,0,0,0,2", "2,1,0,1,1,0,2", "1,2,0,0,0,1,2", "2,2,0,1,1,0,1"):
+        spec = parse_layout(text)
+        layout = use_layout(spec)
+        actor_config, _, log_prob_batches = configs(spec, parallel_state.get_data_parallel_world_size())
+        chunks = build_model_chunks(hf_dir, layout)
+        load_hf_weights(chunks, hf_dir)
+        actor = MegatronActor(chunks, actor_config, log_prob_batches=log_prob_batches, samples_per_prompt=1,
+                              total_optimizer_steps=4, seed=SEED, use_remove_padding=spec["packing"])
+        measured = {}
+        for name, routing in (("same", routed), ("corrupted", corrupted)):
+            metrics: dict = {}
+            actor.compute_old_log_probs(replace(batch, routed_experts=routing), TEMPERATURE, metrics)
+            measured[name] = metrics["rollout/routed_experts_mismatch"]
+        out[text] = measured
+    results["routing"] = out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hf-dir", type=Path, required=True)
@@ -228,6 +326,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check-vocab-parallel", action="store_true")
     parser.add_argument("--check-reference", action="store_true")
+    parser.add_argument("--check-load-balancing", action="store_true")
+    parser.add_argument("--check-routing", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--out-dir", type=Path, required=True)
     args = parser.parse_args()
@@ -239,6 +339,10 @@ def main() -> None:
         check_vocab_parallel(results)
     if args.check_reference:
         check_reference(args.hf_dir, args.seed, results)
+    if args.check_load_balancing:
+        check_load_balancing(args.hf_dir, args.seed, results)
+    if args.check_routing:
+        check_routing_mismatch(args.hf_dir, args.seed, results)
     for text in args.layouts:
         results["layouts"][text] = run_layout(parse_layout(text), args.hf_dir, args.seed, args.out_dir,
                                               text.replace(",", "_"))

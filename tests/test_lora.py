@@ -1,0 +1,137 @@
+"""LoRA on the Megatron actor (engine.models.lora): one 4-rank launch of
+tests/dist_workers/lora_parity.py on a tiny HF Llama, TP1 (DP4), TP2+SP packed, PP2 with dynamic
+batching, TP2xPP2 packed and PP2xVPP2 packed. Losses, gradient norms and updated adapters must match TP1 (fp32,
+rel. 1e-5); base weights stay bit-identical; adapters off = the base model exactly; the merged
+weights pushed through the HybridEngine and the PEFT export loaded by ``peft`` both give the
+trainer's log-probs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.models.lora import LoRASettings
+from tests.distributed import run_torchrun
+from tests.rollout_support import requires_sglang
+from tests.dist_workers.roles_parity import make_batch
+from tests.dist_workers.lora_parity import engine_log_probs
+from tests.test_roles import tiny_llama  # noqa: F401 (fixture)
+
+LAYOUTS = ["1,1,0,0,0,0", "2,1,0,1,1,0", "1,2,0,0,0,1", "2,2,0,0,1,0", "1,2,2,0,1,0"]  # tp,pp,vpp,sp,packing,dynamic
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_llama, tmp_path_factory):  # noqa: F811
+    out_dir = tmp_path_factory.mktemp("lora")
+    run_torchrun("lora_parity.py", 4, ["--hf-dir", str(tiny_llama), "--out", str(out_dir / "r.json"),
+                                       "--out-dir", str(out_dir), "--peft-dir", str(out_dir / "peft"),
+                                       "--layouts", *LAYOUTS], timeout=600)
+    results = json.loads((out_dir / "r.json").read_text())
+    adapters = {layout: torch.load(out_dir / f"{layout.replace(',', '_')}.pt") for layout in LAYOUTS}
+    return results, adapters, out_dir
+
+
+def test_layouts_match_tp1(lora_run):
+    results, adapters, _ = lora_run
+    reference, reference_adapters = results[LAYOUTS[0]], adapters[LAYOUTS[0]]
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
+        value = reference["actor"][key]
+        for layout in LAYOUTS[1:]:
+            assert results[layout]["actor"][key] == pytest.approx(value, rel=TOLERANCE, abs=1e-7), (layout, key)
+    assert len(reference_adapters) == 4 * 7 * 2  # layers x (q, k, v, o, gate, up, down) x (A, B)
+    for layout in LAYOUTS[1:]:
+        assert adapters[layout].keys() == reference_adapters.keys()
+        for name, tensor in reference_adapters.items():
+            error = (adapters[layout][name] - tensor).abs().max() / tensor.abs().max()
+            assert error <= TOLERANCE, (layout, name, float(error))
+
+
+def test_base_frozen_and_adapters_off_is_the_base_model(lora_run, tiny_llama):  # noqa: F811
+    results, _, _ = lora_run
+    for layout in LAYOUTS:
+        result = results[layout]
+        assert result["base_weights_bit_identical"], layout
+        assert result["disabled_equals_base"], layout
+        assert result["adapters_change_log_probs"] > 0.1, layout  # the adapters do act when on
+    # Only adapters train: rank 4 on q/k/v/o/gate/up/down of 4 layers (hidden 64, ffn 128) = 13,312
+    # parameters at TP1, and on each rank what launch.plan's memory model counts for its layers.
+    assert results[LAYOUTS[0]]["trainable_parameters_on_rank"] == 13312
+    from engine.models.hf_config import architecture_from_hf
+    from launch.memory_model import adapter_parameters
+
+    architecture = architecture_from_hf(tiny_llama)
+    targets = LoRASettings(4, 8, ("all-linear",)).megatron_layers()
+    for layout in LAYOUTS:
+        tp, pp = (int(x) for x in layout.split(",")[:2])
+        planned = adapter_parameters(architecture, tp, 4, targets) * architecture.num_layers // pp
+        assert results[layout]["trainable_parameters_on_rank"] == planned, layout
+
+
+def test_checkpoint_holds_the_adapters_only_and_restores_them(lora_run):
+    results, _, _ = lora_run
+    for layout in LAYOUTS:
+        round_trip = results[layout]["checkpoint_round_trip"]
+        assert round_trip["equal"], layout
+        keys = round_trip["tensor_keys"]
+        # 4 adapted layers x (A, B): the weights, their two Adam moments and the distributed
+        # optimizer's fp32 main copy; nothing of the base.
+        assert all("_adapter.lora_" in key for key in keys), (layout, keys)
+        assert sum(not key.startswith("optimizer.") for key in keys) == 8, (layout, keys)
+        assert sum(key.startswith("optimizer.state.exp_avg") for key in keys) == 16, (layout, keys)
+
+
+def test_merged_weights_in_the_engine_give_the_trainers_log_probs(lora_run):
+    results, _, _ = lora_run
+    for layout in LAYOUTS:
+        assert results[layout]["engine_vs_trainer_log_probs"] < 1e-5, layout
+        assert results[layout]["export_equals_engine"], layout  # the merged HF export, bit for bit
+
+
+@pytest.mark.sglang
+@requires_sglang
+def test_merged_weights_pushed_into_sglang(tiny_llama, tmp_path):  # noqa: F811
+    """TP2+SP training, a real SGLang server at generation TP 2 (fp32, CPU): after the push its greedy
+    log-probs equal transformers' on the merged export (which the embedded engine equals bit for bit);
+    before the push (the base weights) they differ."""
+    run_torchrun("lora_parity.py", 2, ["--hf-dir", str(tiny_llama), "--out", str(tmp_path / "r.json"),
+                                       "--out-dir", str(tmp_path), "--layouts", "2,1,0,1,1,0", "--engine", "sglang"],
+                 timeout=900)
+    result = json.loads((tmp_path / "r.json").read_text())["2,1,0,1,1,0"]["sglang"]
+    assert result["before_push"]["tokens"] == result["after_push"]["tokens"] == 24, result
+    assert result["before_push"]["max_abs_difference"] > 1e-2, result  # the server starts from the base
+    assert result["after_push"]["max_abs_difference"] < 1e-4, result
+
+
+def test_peft_export_loads_with_peft(lora_run, tiny_llama):  # noqa: F811
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    _, _, out_dir = lora_run
+    config = json.loads((out_dir / "peft" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (4, 8)
+    saved = torch.load(out_dir / "trainer_log_probs.pt")
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, out_dir / "peft").eval()
+    batch = make_batch(base.config.vocab_size, saved["batch_seed"])
+    mask = batch.response_mask.bool()
+    with_adapter = engine_log_probs(model, batch)
+    assert float((with_adapter - saved["log_probs"].double())[mask].abs().max()) < 1e-5
+    with model.disable_adapter():
+        without = engine_log_probs(model, batch)
+    assert float((without - saved["log_probs"].double())[mask].abs().max()) > 1e-2  # the adapter matters
+
+
+def test_target_modules():
+    assert LoRASettings(4, 8, ("all-linear",)).megatron_layers() == (
+        "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+    attention = LoRASettings(4, 8, ("q_proj", "k_proj", "v_proj", "o_proj"))
+    assert attention.megatron_layers() == ("self_attention.linear_qkv", "self_attention.linear_proj")
+    assert attention.peft_target_modules() == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    with pytest.raises(ValueError, match="adapt all of them or none .missing: k_proj, v_proj"):
+        LoRASettings(4, 8, ("q_proj", "o_proj")).megatron_layers()
+    with pytest.raises(ValueError, match="unknown module 'qkv'"):
+        LoRASettings(4, 8, ("qkv",)).megatron_layers()
