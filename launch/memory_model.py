@@ -8,7 +8,7 @@ Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 arXiv:2205.05198): s sequence length, b micro-batch size, h hidden size, a attention heads,
 t tensor-parallel size, p pipeline-parallel size, v virtual stages per pipeline rank, L layers;
 for Mixture-of-Experts layers E experts, k experts per token, f_e an expert's intermediate size,
-e expert-parallel size (megatron's expert tensor parallelism is the TP size).
+e expert-parallel size, t_e expert tensor-parallel size (a divisor of t; megatron's default t).
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ def layer_activation_bytes(
     sequence_parallel: bool = False,
     recompute_granularity: str | None = None,
     activation_bytes: int = 2,
+    expert_tensor_parallel_size: int | None = None,
 ) -> float:
     """Bytes one layer keeps for its backward pass, for ``tokens`` = s * b tokens on one GPU.
 
@@ -103,10 +104,11 @@ def layer_activation_bytes(
     (the recomputed layer's own working set is added once per stage by the caller).
 
     An MoE layer replaces the MLP terms: the router's logits and fp32 probabilities (E per token, on
-    the layer's sequence shard) and, for the k b s expert inputs each GPU gets under balanced routing
-    (megatron's all-to-all dispatcher gathers the expert-TP ranks' tokens), the expert fc1 input,
-    fc1 and fc2-input activations split over t, and the expert output kept to weight it by its
-    routing probability. Skewed routing gives one expert-parallel rank more rows than that.
+    the layer's sequence shard) and, for the k b s t_e / t expert inputs each GPU gets under balanced
+    routing (k copies of its sequence shard's tokens; megatron's all-to-all dispatcher then gathers
+    the t_e expert-TP ranks' rows), the expert fc1 input, fc1 and fc2-input activations split over
+    t_e, and the expert output kept to weight it by its routing probability. Skewed routing gives one
+    expert-parallel rank more rows than that.
     """
     if recompute_granularity not in RECOMPUTE_GRANULARITIES:
         raise ValueError(f"recompute_granularity must be one of {RECOMPUTE_GRANULARITIES}, got {recompute_granularity!r}")
@@ -135,9 +137,10 @@ def layer_activation_bytes(
     # MLP block, split over t: fc1 output (gate and up for SwiGLU, the GeLU input otherwise) and
     # fc2's input (the activation's output).
     if shape.num_experts:
+        expert_tp = expert_tensor_parallel_size or t
         router = tokens * shape.num_experts * (word + 4) / sequence_split
-        rows = tokens * shape.moe_topk
-        experts = rows * word * (2 * h + 3 * shape.moe_ffn_hidden_size / t)
+        rows = tokens * shape.moe_topk * expert_tp / sequence_split if sequence_parallel else tokens * shape.moe_topk
+        experts = rows * word * (2 * h + 3 * shape.moe_ffn_hidden_size / expert_tp)
         return replicated / sequence_split + attention / t + router + experts
     fc1_width = 2 * shape.ffn_hidden_size if shape.gated_linear_unit else shape.ffn_hidden_size
     mlp = tokens * word * (fc1_width + shape.ffn_hidden_size)
@@ -242,7 +245,7 @@ def adapter_parameters(architecture: ModelArchitecture, tensor_model_parallel_si
 def expert_parameters(architecture: ModelArchitecture, tensor_model_parallel_size: int = 1,
                       expert_model_parallel_size: int = 1, layer: int = 0) -> int:
     """Layer ``layer``'s expert weights on one GPU: E / e SwiGLU experts, each split over the
-    expert-TP ranks (megatron's default: the TP size); 0 for a dense layer."""
+    ``tensor_model_parallel_size`` expert-TP ranks; 0 for a dense layer."""
     moe = architecture.moe
     if moe is None or layer not in moe.layers:
         return 0
@@ -271,13 +274,13 @@ def stage_parameters(
         elif not architecture.tie_word_embeddings or p > 1:
             output_layer = vocab_shard
     layers = stage_layers(architecture.num_layers, layout, pipeline_rank)
-    e = layout.expert_model_parallel_size
+    e, expert_tp = layout.expert_model_parallel_size, layout.expert_tensor_size
     return StageParameters(
         transformer_layers=sum(layer_parameters(architecture, t, layer) for layer in layers),
         embedding=embedding,
         output_layer=output_layer,
         final_norm=architecture.hidden_size if last else 0,
-        experts=sum(expert_parameters(architecture, t, e, layer) for layer in layers),
+        experts=sum(expert_parameters(architecture, expert_tp, e, layer) for layer in layers),
     )
 
 
@@ -375,7 +378,7 @@ class ModelMemoryConfig:
 
     def optimizer_bytes(self, pipeline_rank: int) -> float:
         """Adam state; the distributed optimizer shards it over the ranks that replicate each weight:
-        data x context parallel ranks, for experts the expert-data-parallel ranks (d c / e)."""
+        data x context parallel ranks, for experts the expert-data-parallel ranks (t d c / (t_e e))."""
         if not self.trainable:
             return 0.0
         per_param = ADAM_MOMENT_BYTES + (FP32_MASTER_BYTES if self.params_dtype_bytes < 4 else 0)
@@ -386,7 +389,10 @@ class ModelMemoryConfig:
             return adapters * per_param / (replicas if self.use_distributed_optimizer else 1)
         if not self.use_distributed_optimizer:
             return stage.total * per_param
-        return (stage.dense / replicas + stage.experts / (replicas // self.layout.expert_model_parallel_size)) * per_param
+        layout = self.layout
+        expert_replicas = (layout.tensor_model_parallel_size * replicas
+                           // (layout.expert_tensor_size * layout.expert_model_parallel_size))
+        return (stage.dense / replicas + stage.experts / expert_replicas) * per_param
 
     def _layer_bytes(self, tokens: float, recompute: str | None) -> float:
         return layer_activation_bytes(
@@ -397,6 +403,7 @@ class ModelMemoryConfig:
             self.layout.sequence_parallel,
             recompute,
             self.params_dtype_bytes,
+            self.layout.expert_tensor_size,
         )
 
     def _working_set_bytes(self, tokens: float) -> float:
@@ -470,8 +477,9 @@ class HybridEngineSync:
     its whole training shard M / (t p), HybridFlow's (t p - t_g p_g) / (t_g p_g t p) * M; with
     t_g > t the engine slice of each layer is inside the training slice, so it holds the slices of
     its own stage's layers only: M / (t_g p). Experts, of which a GPU trains 1 / e of its stage's,
-    are counted the same way with p e in place of p (the HybridEngine's expert phase completes them
-    first). ``gather_all_bytes``: the gather-everything
+    are counted the same way with p e in place of p and t_e in place of t (the HybridEngine's
+    expert phase completes them first; with t_e < t the held expert slice and the engine slice
+    line up like this when one contains the other at the same index, as with t_e = 1). ``gather_all_bytes``: the gather-everything
     baseline (DeepSpeed-Chat), (t p d - 1) / (t p d) * M; ``engine_shard_bytes``: the generation
     shard each GPU ends up holding, M / (t_g p_g), pushed in ``buckets`` buckets.
     """
@@ -492,13 +500,13 @@ def hybrid_engine_sync(
 ) -> HybridEngineSync:
     """The HybridEngine transition cost for the actor (``full_model_parameters`` x weight dtype)."""
     t, p = train_layout.tensor_model_parallel_size, train_layout.pipeline_model_parallel_size
-    e = train_layout.expert_model_parallel_size
+    e, expert_tp = train_layout.expert_model_parallel_size, train_layout.expert_tensor_size
     tg, pg = rollout.tensor_model_parallel_size, rollout.pipeline_model_parallel_size
     model_bytes = full_model_parameters(architecture) * rollout.weight_dtype_bytes
     expert_bytes = full_expert_parameters(architecture) * rollout.weight_dtype_bytes
     engine_shard = model_bytes / (tg * pg)
     bucket = rollout.update_weights_bucket_megabytes * MIB
-    held = (model_bytes - expert_bytes) / (p * max(t, tg)) + expert_bytes / (p * e * max(t, tg))
+    held = (model_bytes - expert_bytes) / (p * max(t, tg)) + expert_bytes / (p * e * max(expert_tp, tg))
     received = max(0.0, engine_shard - held)
     gather_all = (world_size - 1) / world_size * model_bytes
     return HybridEngineSync(

@@ -316,6 +316,8 @@ def _layout_text(model: ModelMemoryConfig) -> str:
         parts.append(f"CP{layout.context_parallel_size}")
     if layout.expert_model_parallel_size > 1:
         parts.append(f"EP{layout.expert_model_parallel_size}")
+    if layout.expert_tensor_size != layout.tensor_model_parallel_size:
+        parts.append(f"ETP{layout.expert_tensor_size}")
     parts.append(f"DP{model.data_parallel_size}")
     extras = ["SP"] if layout.sequence_parallel else []
     if model.trainable:
@@ -407,6 +409,7 @@ def json_dict(report: PlanReport) -> dict[str, Any]:
                 "virtual_pipeline_model_parallel_size": model.layout.virtual_pipeline_model_parallel_size,
                 "context_parallel_size": model.layout.context_parallel_size,
                 "expert_model_parallel_size": model.layout.expert_model_parallel_size,
+                "expert_tensor_parallel_size": model.layout.expert_tensor_size,
                 "data_parallel_size": model.data_parallel_size,
                 "sequence_parallel": model.layout.sequence_parallel,
                 "recompute_granularity": model.recompute_granularity,

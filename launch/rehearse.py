@@ -232,17 +232,22 @@ def plan_rehearsal(yaml_path: str, base_overrides: Sequence[str], config: Experi
     written_dp = actor_megatron.layout().data_parallel_size(written_world)
     dp = max(1, min(written_dp, PARALLEL_CAP, max_ranks // (tp * pp)))
     world = tp * pp * dp
-    # Megatron splits the experts among the data-parallel ranks; the tiny model's must divide. A dense
-    # model's EP > 1 stays > 1, to fail at start-up as the real run would.
-    ep = min(actor_megatron.expert_model_parallel_size, dp, PARALLEL_CAP)
+    # Megatron splits the experts over a stage's ranks (expert TP x EP of the tp x dp); the tiny model's
+    # must divide. A dense model's EP > 1 stays > 1, to fail at start-up as the real run would.
+    expert_tp = actor_megatron.expert_tensor_parallel_size
+    if expert_tp is not None:
+        expert_tp = math.gcd(expert_tp, tp)
+    ep = min(actor_megatron.expert_model_parallel_size, tp * dp // (expert_tp or tp), PARALLEL_CAP)
     tiny_moe = architecture_from_hf(model_dir).moe
     if tiny_moe is not None:
         ep = math.gcd(ep, tiny_moe.num_experts)
     for prefix in (ACTOR_MEGATRON, CRITIC_MEGATRON):
         for name, value in layout.items():
             changes.set(f"{prefix}.{name}", value, f"layout shrunk to {world} CPU ranks (data parallel {dp})")
+        changes.set(f"{prefix}.expert_tensor_parallel_size", expert_tp, f"expert TP divides the TP size {tp}")
         changes.set(f"{prefix}.expert_model_parallel_size", ep,
-                    f"the tiny model's experts split over at most the {dp} data-parallel ranks")
+                    f"the tiny model's experts split over at most {tp * dp // (expert_tp or tp)} ranks "
+                    "(a stage's TP x DP ranks / expert TP)")
     rollout_tp = _generation_tp(arr.rollout.tensor_model_parallel_size, actor_megatron.tensor_model_parallel_size,
                                 tp, pp)
     changes.set("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout_tp,

@@ -21,7 +21,16 @@ class ParallelLayout:
     virtual_pipeline_model_parallel_size: int | None = None
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
+    # Ranks that split each expert's matrices; None: megatron's default, the TP size.
+    expert_tensor_parallel_size: int | None = None
     sequence_parallel: bool = False
+
+    @property
+    def expert_tensor_size(self) -> int:
+        """The expert tensor-parallel size in effect (megatron's default: the TP size)."""
+        if self.expert_tensor_parallel_size is None:
+            return self.tensor_model_parallel_size
+        return self.expert_tensor_parallel_size
 
     def describe(self) -> str:
         """``tp2,pp2,vpp2,sp``-style summary for messages."""
@@ -32,6 +41,8 @@ class ParallelLayout:
             parts.append(f"cp{self.context_parallel_size}")
         if self.expert_model_parallel_size > 1:
             parts.append(f"ep{self.expert_model_parallel_size}")
+        if self.expert_tensor_size != self.tensor_model_parallel_size:
+            parts.append(f"etp{self.expert_tensor_size}")
         return ",".join(parts) + (",sp" if self.sequence_parallel else "")
 
     @property
@@ -62,6 +73,7 @@ class ParallelLayout:
             "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
             "context_parallel_size": self.context_parallel_size,
             "expert_model_parallel_size": self.expert_model_parallel_size,
+            "expert_tensor_parallel_size": self.expert_tensor_size,
         }
         for name, size in sizes.items():
             if size < 1:
@@ -84,9 +96,15 @@ class ParallelLayout:
                 f"({self.context_parallel_size}) = {self.model_parallel_size}; choose sizes whose "
                 f"product divides {world_size}"
             )
-        data_parallel = world_size // self.model_parallel_size
-        if (data_parallel * self.context_parallel_size) % self.expert_model_parallel_size:
+        tp, etp, ep = self.tensor_model_parallel_size, self.expert_tensor_size, self.expert_model_parallel_size
+        if tp % etp:
+            # The HybridEngine and the planner place an expert's slices inside the TP group.
+            raise LayoutError(f"expert_tensor_parallel_size={etp} must divide tensor_model_parallel_size={tp} "
+                              "(expert TP larger than TP is not built)")
+        # megatron lays the experts out over one stage's ranks as "etp-ep-edp": tp * cp * dp ranks.
+        stage_ranks = world_size // self.pipeline_model_parallel_size
+        if stage_ranks % (etp * ep):
             raise LayoutError(
-                f"expert_model_parallel_size {self.expert_model_parallel_size} must divide "
-                f"data x context parallel size {data_parallel * self.context_parallel_size}"
+                f"expert_tensor_parallel_size ({etp}) x expert_model_parallel_size ({ep}) must divide the "
+                f"{stage_ranks} ranks of a pipeline stage (tensor x context x data parallel)"
             )

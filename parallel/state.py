@@ -91,6 +91,7 @@ def initialize_model_parallel(
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
         context_parallel_size=layout.context_parallel_size,
         expert_model_parallel_size=layout.expert_model_parallel_size,
+        expert_tensor_parallel_size=layout.expert_tensor_size,
         distributed_timeout_minutes=timeout_minutes,
     )
     seed_everything(seed)

@@ -156,6 +156,17 @@ def test_world_size_not_divisible_by_model_parallel_size():
     assert "world_size = tp * pp * cp * dp" in message and "6 / (2 * 2 * 1)" in message
 
 
+def test_expert_tensor_parallel_size_must_divide_tp_and_fit_the_stage():
+    tp2 = ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"]
+    message = error_of(DEMO, tp2 + ["actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=4"], world_size=2)
+    assert message.startswith("actor_rollout_ref.actor.megatron: expert_tensor_parallel_size=4 must divide "
+                              "tensor_model_parallel_size=2 (expert TP larger than TP is not built)"), message
+    message = error_of(DEMO, tp2 + ["actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
+                                    "actor_rollout_ref.actor.megatron.expert_model_parallel_size=4"], world_size=2)
+    assert ("expert_tensor_parallel_size (1) x expert_model_parallel_size (4) must divide the 2 ranks of a "
+            "pipeline stage") in message, message
+
+
 def test_critic_layout_checked_when_gae_uses_it():
     overrides = ["critic.megatron.tensor_model_parallel_size=2"]
     message = error_of(DEMO, overrides)

@@ -92,6 +92,11 @@ def test_expert_parallelism_on_a_dense_model(demo_model, tmp_path, monkeypatch, 
     assert "actor_rollout_ref.actor.megatron: expert_model_parallel_size=2 needs a Mixture-of-Experts model" in err
 
 
+def test_expert_tensor_parallelism_on_a_dense_model(demo_model, tmp_path, monkeypatch, capsys):
+    err = trident_error(tmp_path, monkeypatch, capsys, ["actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1"])
+    assert "actor_rollout_ref.actor.megatron: expert_tensor_parallel_size=1 needs a Mixture-of-Experts model" in err
+
+
 def test_load_balancing_loss_on_a_dense_model(demo_model, tmp_path, monkeypatch, capsys):
     err = trident_error(tmp_path, monkeypatch, capsys, ["critic.megatron.moe_aux_loss_coeff=0.01"])
     assert "critic.megatron.moe_aux_loss_coeff=0.01: the load-balancing loss needs a Mixture-of-Experts model" in err

@@ -70,7 +70,10 @@ def run_parity(tmp_path, dirs, layouts, critic_layouts) -> dict:
     return json.loads(out.read_text())
 
 
-MOE_LAYOUTS = ["1,1,0", "2,1,0", "1,2,0", "1,1,0,0,2", "2,1,0,0,2", "2,1,0,1,2", "1,2,0,0,2"]
+# tp,pp,vpp[,sp,ep[,etp]] (etp: expert tensor-parallel size, default TP); the last two keep experts whole
+# (expert TP 1) at TP2 + SP: EP2, and EP4 over the TP and data-parallel ranks.
+MOE_LAYOUTS = ["1,1,0", "2,1,0", "1,2,0", "1,1,0,0,2", "2,1,0,0,2", "2,1,0,1,2", "1,2,0,0,2", "2,1,0,1,2,1",
+               "2,1,0,1,4,1"]
 MOE_CRITIC_LAYOUTS = ["2,1,0,1,2", "1,2,0,0,2"]
 
 
@@ -112,10 +115,12 @@ def test_hf_logits_round_trip_and_critic_at_every_layout(tmp_path):
 
 @pytest.mark.dist
 def test_moe_hf_logits_round_trip_and_critic_with_expert_parallelism(tmp_path):
-    """EP2 (experts 0-1 on one rank, 2-3 on the other), EP2 x TP2, EP2 with sequence parallelism, EP2 x PP2."""
+    """EP2 (experts 0-1 on one rank, 2-3 on the other), EP2 x TP2, EP2 with sequence parallelism, EP2 x PP2,
+    whole experts at TP2 (expert TP 1) with EP2 and EP4."""
     results = run_parity(tmp_path, save_tiny_moe_checkpoints(tmp_path), MOE_LAYOUTS, MOE_CRITIC_LAYOUTS)
     check_results(results, ("qwen3_moe", "mixtral"), MOE_LAYOUTS, MOE_CRITIC_LAYOUTS)
     for family in ("qwen3_moe", "mixtral"):
         for layout in MOE_LAYOUTS:
-            expert_parallel = int(layout.split(",")[4]) if layout.count(",") == 4 else 1
+            fields = layout.split(",")
+            expert_parallel = int(fields[4]) if len(fields) > 4 else 1
             assert results[family][layout]["local_experts"] == 4 // expert_parallel, (family, layout)

@@ -14,13 +14,15 @@ from launch.memory_model import ModelMemoryConfig
 from parallel.layout import ParallelLayout
 from tests.distributed import run_torchrun
 
-# name -> (model_type, tied, tp, pp, param bytes, distributed optimizer, value head, EP); as in the worker
+# name -> (model_type, tied, tp, pp, param bytes, distributed optimizer, value head, EP, expert TP); as in
+# the worker
 CASES = {
-    "llama_tp2_dp2_bf16_distopt": ("llama", False, 2, 1, 2, True, False, 1),
-    "qwen2_pp2_dp2_bf16_distopt_critic": ("qwen2", False, 1, 2, 2, True, True, 1),
-    "llama_tied_tp2_pp2_fp32_adam": ("llama", True, 2, 2, 4, False, False, 1),
-    "qwen3moe_tp2_ep2_bf16_distopt": ("qwen3_moe", False, 2, 1, 2, True, False, 2),
-    "qwen3moe_ep2_dp4_bf16_distopt": ("qwen3_moe", False, 1, 1, 2, True, False, 2),
+    "llama_tp2_dp2_bf16_distopt": ("llama", False, 2, 1, 2, True, False, 1, None),
+    "qwen2_pp2_dp2_bf16_distopt_critic": ("qwen2", False, 1, 2, 2, True, True, 1, None),
+    "llama_tied_tp2_pp2_fp32_adam": ("llama", True, 2, 2, 4, False, False, 1, None),
+    "qwen3moe_tp2_ep2_bf16_distopt": ("qwen3_moe", False, 2, 1, 2, True, False, 2, None),
+    "qwen3moe_ep2_dp4_bf16_distopt": ("qwen3_moe", False, 1, 1, 2, True, False, 2, None),
+    "qwen3moe_tp2_ep2_etp1_bf16_distopt": ("qwen3_moe", False, 2, 1, 2, True, False, 2, 1),
 }
 # DDP pads each gradient bucket (and so the optimizer shards) to a multiple of the DP size x 128
 # elements; on this ~60k-parameter model that is < 0.2%. Parameters are counted exactly.
@@ -43,11 +45,12 @@ def test_estimates_match_measured_megatron_storage(tmp_path):
     results = [r for rank in range(4) for r in json.loads((tmp_path / f"rank{rank}.json").read_text())]
     assert {r["case"] for r in results} == set(CASES)
     for measured in results:
-        model_type, tied, tp, pp, param_bytes, distributed, value_head, ep = CASES[measured["case"]]
+        model_type, tied, tp, pp, param_bytes, distributed, value_head, ep, etp = CASES[measured["case"]]
         assert measured["param_element_bytes"] == param_bytes
         model = ModelMemoryConfig(
             role="actor", architecture=architecture(model_type, tied),
-            layout=ParallelLayout(tp, pp, expert_model_parallel_size=ep, sequence_parallel=tp > 1),
+            layout=ParallelLayout(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                                  sequence_parallel=tp > 1),
             data_parallel_size=measured["data_parallel_size"], trainable=True, value_head=value_head,
             params_dtype_bytes=param_bytes, grad_dtype_bytes=4, use_distributed_optimizer=distributed)
         stage = measured["pipeline_rank"]

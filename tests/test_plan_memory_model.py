@@ -1,4 +1,5 @@
 """launch.memory_model against formulas written differently and published numbers (docs/planner.md)."""
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -129,6 +130,13 @@ def test_moe_layer_activations_count_routed_copies():
     assert layer_activation_bytes(shape, 1, 4096) == pytest.approx(mlp_free + 128 * 6 + 8 * 2 * (2 * 2048 + 3 * 768))
     # Full recompute keeps the layer input only, MoE or not.
     assert layer_activation_bytes(shape, 1, 4096, recompute_granularity="full") == 2 * 2048
+    # TP4 + SP: a GPU routes the k copies of its quarter of the tokens; the dispatcher gathers the rows
+    # of the t_e expert-TP ranks, whose SwiGLU is split t_e ways. t_e = 4 (the default): k rows of
+    # 3 f_e / 4; t_e = 1: k / 4 rows of the whole 3 f_e.
+    tp4 = layer_activation_bytes(dense, 1, 4096, 4, True) + 128 * 6 / 4
+    assert layer_activation_bytes(shape, 1, 4096, 4, True) == pytest.approx(tp4 + 8 * 2 * (2 * 2048 + 3 * 768 / 4))
+    assert layer_activation_bytes(shape, 1, 4096, 4, True, expert_tensor_parallel_size=1) == pytest.approx(
+        tp4 + 8 / 4 * 2 * (2 * 2048 + 3 * 768))
 
 
 def test_kv_cache_bytes_formula():
@@ -147,6 +155,15 @@ def test_hybrid_engine_sync_of_experts_counts_what_the_expert_phase_completes():
     experts = 2 * 48 * 128 * 3 * 2048 * 768
     # Dense weights: TP2 -> TP2 moves nothing; experts: a GPU trains 1/4 of its TP half, the engine needs all.
     assert sync.received_bytes == pytest.approx(experts / 2 - experts / 8)
+    # An engine at TP1 needs every expert whole: a GPU holds 1/8 of them (1/4 of its TP half), or with
+    # whole experts (expert TP 1, EP4 over 2 TP x 2 DP ranks) 1/4 of them.
+    rollout = dataclasses.replace(rollout, tensor_model_parallel_size=1)
+    for expert_tp, held in ((None, experts / 8), (1, experts / 4)):
+        layout = ParallelLayout(2, 1, expert_model_parallel_size=4, expert_tensor_parallel_size=expert_tp)
+        received = hybrid_engine_sync(qwen3_moe, layout, 4, rollout).received_bytes
+        # the dense weights' part: without EP a GPU holds its TP half of the experts
+        dense = hybrid_engine_sync(qwen3_moe, ParallelLayout(2, 1), 4, rollout).received_bytes - experts / 2
+        assert received == pytest.approx(dense + experts - held), expert_tp
 
 
 @pytest.mark.parametrize("t, p, tg, fraction", [

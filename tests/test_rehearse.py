@@ -87,15 +87,18 @@ def test_tiny_model_keeps_the_experts(fields, model_class, renormalize, tmp_path
     assert sum("experts" in name for name, _ in model.named_parameters()) > 0
 
 
-@pytest.mark.parametrize("written_ep, max_ranks, expected_ep", [
-    (4, 4, 2),  # TP2 x DP4 x EP4 on 8 GPUs -> TP2 x DP2 x EP2
-    (4, 2, 1),  # -> TP2 x DP1: no data-parallel ranks to split the experts over
-    (1, 4, 1),  # EP1 stays, unchanged
+@pytest.mark.parametrize("written_ep, written_etp, max_ranks, expected_ep", [
+    (4, None, 4, 2),  # TP2 x DP4 x EP4 on 8 GPUs -> TP2 x DP2 x EP2
+    (4, None, 2, 1),  # -> TP2 x DP1: no data-parallel ranks to split the experts over
+    (1, None, 4, 1),  # EP1 stays, unchanged
+    (4, 1, 2, 2),  # whole experts (expert TP 1): TP2 x DP1 still splits them over its 2 TP ranks
 ])
-def test_expert_parallelism_shrinks_within_data_parallelism(written_ep, max_ranks, expected_ep, tmp_path):
+def test_expert_parallelism_shrinks_within_the_stage(written_ep, written_etp, max_ranks, expected_ep, tmp_path):
     experiment = str(REPO_ROOT / "yaml/qwen3-8b_grpo_gsm8k.yaml")  # TP2 on 8 GPUs, without a critic
     overrides = ["actor_rollout_ref.model.path=models/Qwen3-30B-A3B",
                  f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={written_ep}"]
+    if written_etp is not None:
+        overrides.append(f"actor_rollout_ref.actor.megatron.expert_tensor_parallel_size={written_etp}")
     config = load_config(experiment, overrides)
     model = write_tiny_model(tiny_model_config(architecture_from_hf(SimpleNamespace(**QWEN3_30B_A3B)),
                                                tensor_parallel=2, pipeline_stages=1, generation_tp=2,
@@ -106,6 +109,7 @@ def test_expert_parallelism_shrinks_within_data_parallelism(written_ep, max_rank
     rehearsed = load_config(experiment, [*overrides, *plan.overrides()], world_size=plan.world_size)
     for megatron in (rehearsed.actor_rollout_ref.actor.megatron, rehearsed.critic.megatron):
         assert megatron.tensor_model_parallel_size == 2 and megatron.expert_model_parallel_size == expected_ep
+        assert megatron.expert_tensor_parallel_size == written_etp
     changed = {change.key for change in plan.changes}
     assert ("actor_rollout_ref.actor.megatron.expert_model_parallel_size" in changed) == (written_ep != expected_ep)
 

@@ -85,8 +85,8 @@ LAYOUTS = [
 ]
 
 
-def hybrid(pp, tp, dp, vpp, tg, cp=1, ep=1) -> HybridLayout:
-    return HybridLayout(TrainingLayout(tp, pp, dp, vpp if vpp > 1 else None, cp, ep), GenerationLayout(tg))
+def hybrid(pp, tp, dp, vpp, tg, cp=1, ep=1, etp=None) -> HybridLayout:
+    return HybridLayout(TrainingLayout(tp, pp, dp, vpp if vpp > 1 else None, cp, ep, etp), GenerationLayout(tg))
 
 
 # ---------------------------------------------------------------------------- layouts
@@ -109,15 +109,15 @@ def test_rank_order_is_megatrons():
                for r, c in ((r, training.coordinates(r)) for r in range(training.world_size)))
 
 
-@pytest.mark.parametrize("dp, cp", [(4, 1), (2, 2)])
-def test_expert_rank_order_is_megatrons(dp, cp):
+@pytest.mark.parametrize("dp, cp, etp", [(4, 1, 2), (2, 2, 2), (2, 1, 1), (1, 2, 1)])
+def test_expert_rank_order_is_megatrons(dp, cp, etp):
     from megatron.core.parallel_state import RankGenerator
 
     training = TrainingLayout(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, data_parallel_size=dp,
-                              context_parallel_size=cp, expert_model_parallel_size=2)
-    # megatron's expert layout: expert TP = TP, expert-data-parallel = world / (TP x EP x PP), no CP
-    generator = RankGenerator(tp=2, ep=2, dp=dp * cp // 2, pp=2, cp=1, order="tp-ep-dp-pp")
-    for token, field in (("ep", "expert"), ("dp", "expert_data")):
+                              context_parallel_size=cp, expert_model_parallel_size=2, expert_tensor_parallel_size=etp)
+    # megatron's expert layout: expert-data-parallel = world / (expert TP x EP x PP), no CP
+    generator = RankGenerator(tp=etp, ep=2, dp=2 * dp * cp // (2 * etp), pp=2, cp=1, order="tp-ep-dp-pp")
+    for token, field in (("tp", "expert_tensor"), ("ep", "expert"), ("dp", "expert_data")):
         for group in generator.get_ranks(token):
             assert [getattr(training.coordinates(rank), field) for rank in group] == list(range(len(group)))
     for rank in range(training.world_size):
@@ -201,6 +201,10 @@ def simulate(plan: ReshardPlan) -> dict[int, int]:
                 deliver(s.expert_receive[0], rank, s.expert_receive[1])
                 assert (rank, s.expert_receive[1]) in steps[s.expert_receive[0]].expert_sends
             assert all(steps[peer].expert_receive == (rank, span) for peer, span in s.expert_sends)
+            for source, span in s.direct_receives:  # experts at expert TP < TP: straight from the owners
+                deliver(source, rank, span)
+                assert (rank, span) in steps[source].direct_sends
+            assert all((rank, span) in steps[peer].direct_receives for peer, span in s.direct_sends)
 
         for rank, s in steps.items():  # phase 1
             if s.broadcast is not None and s.broadcast[0] != rank:
@@ -269,6 +273,36 @@ def test_experts_split_over_expert_ranks_move_exactly_the_missing_slices(pp, tp,
             assert traffic.by_phase["expert"] > 0
     if target is ReshardTarget.FULL:
         assert all(plan.traffic(r).output == plan.model_bytes() for r in range(plan.layout.world_size))
+
+
+# (pp, tp, dp, tg, ep, etp): experts split over fewer TP ranks than the dense weights (1: whole), so
+# expert parallelism can use the TP ranks too; generation TP below, at and above the training TP.
+EXPERT_TENSOR_LAYOUTS = [(1, 2, 1, 1, 2, 1), (1, 2, 1, 2, 2, 1), (1, 4, 1, 2, 2, 2), (1, 4, 2, 4, 4, 1),
+                         (2, 2, 2, 1, 2, 1), (2, 2, 1, 4, 2, 1), (1, 4, 1, 1, 4, 1), (1, 2, 2, 2, 4, 1)]
+
+
+@pytest.mark.parametrize("pp, tp, dp, tg, ep, etp", EXPERT_TENSOR_LAYOUTS)
+@pytest.mark.parametrize("target", list(ReshardTarget))
+def test_experts_at_expert_tensor_parallelism_move_exactly_the_missing_slices(pp, tp, dp, tg, ep, etp, target):
+    specs = tiny_specs(pp, tp, groups=8, layers=max(4, pp), experts=8, ep=ep)
+    plan = ReshardPlan(hybrid(pp, tp, dp, 1, tg, ep=ep, etp=etp), specs, target, torch.float32)
+    received = simulate(plan)
+    for rank in range(plan.layout.world_size):
+        traffic = plan.traffic(rank)
+        assert traffic.received == traffic.lower_bound == received[rank] * 4
+        # every rank holds a slice of its own experts (gate, up, down of 8 / ep per layer of its stage)
+        held = [s for s in plan.steps(rank) if s.tensor.expert_owner is not None and s.held is not None]
+        assert len(held) == 3 * 8 // ep * max(4, pp) // pp
+    if target is ReshardTarget.FULL:
+        assert all(plan.traffic(r).output == plan.model_bytes() for r in range(plan.layout.world_size))
+
+
+def test_expert_tensor_parallelism_larger_than_tp_is_refused():
+    with pytest.raises(LayoutError, match="expert_tensor_parallel_size=4 must divide tensor_model_parallel_size=2"):
+        hybrid(1, 2, 2, 1, 1, ep=1, etp=4)
+    with pytest.raises(LayoutError, match=r"expert_tensor_parallel_size \(1\) x expert_model_parallel_size \(4\) "
+                                          "must divide the 2 ranks"):
+        hybrid(1, 2, 1, 1, 1, ep=4, etp=1)
 
 
 @pytest.mark.parametrize("pp, tp, dp, vpp, tg", [(1, 4, 1, 1, 2), (2, 2, 1, 1, 1), (2, 1, 1, 1, 2)])

@@ -85,9 +85,11 @@ def four_ranks(tiny_llama, tmp_path_factory):
 
 # tp,pp,vpp,sp,packing,dynamic,ep: the MoE actor and critic with experts split 2 and 4 ways, with TP2 (+ SP,
 # which megatron requires for MoE training with TP) and with PP2, against the same world without EP; and
-# TP2+SP x PP2 (the later stage's padding mask split over the SP ranks by the worker).
+# TP2+SP x PP2 (the later stage's padding mask split over the SP ranks by the worker); whole experts
+# (expert TP 1, the 8th field) at TP2 + SP with EP2, and with EP4 over the TP and data-parallel ranks.
 MOE_REFERENCE = "1,1,0,0,0,0,1"
-MOE_LAYOUTS = ["1,1,0,0,0,0,2", "1,1,0,0,1,0,4", "2,1,0,1,0,0,2", "1,2,0,0,0,1,2", "2,2,0,1,0,0,1"]
+MOE_LAYOUTS = ["1,1,0,0,0,0,2", "1,1,0,0,1,0,4", "2,1,0,1,0,0,2", "1,2,0,0,0,1,2", "2,2,0,1,0,0,1",
+               "2,1,0,1,0,0,2,1", "2,1,0,1,1,0,4,1"]
 # Layouts that cut the mini-batches into other micro-batches than the reference (dynamic batching; DP1
 # with 2 sequences per micro-batch): the per-micro-batch load-balancing loss differs there.
 MOE_OTHER_MICRO_BATCHES = {"1,2,0,0,0,1,2", "2,2,0,1,0,0,1"}

@@ -114,7 +114,10 @@ class FrozenMegatronConfig:
             schedule); null = not interleaved.
         context_parallel_size: ranks that split each sequence (not built yet: must be 1).
         expert_model_parallel_size: ranks that split the experts of MoE layers (Qwen3-MoE,
-            Mixtral) among the data-parallel ranks; > 1 needs an MoE model (checked at start-up).
+            Mixtral) over the ranks of a pipeline stage; > 1 needs an MoE model (checked at start-up).
+        expert_tensor_parallel_size: ranks that split each expert's matrices; null = the TP size
+            (megatron's default). Must divide tensor_model_parallel_size; 1 keeps experts whole, so
+            expert parallelism can use the TP ranks too (expert TP x EP must divide TP x DP).
         sequence_parallel: split the activations outside the tensor-parallel regions along the
             sequence; only takes effect when tensor_model_parallel_size > 1 (with one TP rank there
             is nothing to split), as in Megatron-LM.
@@ -129,6 +132,7 @@ class FrozenMegatronConfig:
     virtual_pipeline_model_parallel_size: int | None = None
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
     sequence_parallel: bool = True
     param_dtype: str = "bfloat16"
     seed: int = 42
@@ -143,6 +147,7 @@ class FrozenMegatronConfig:
             virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
             context_parallel_size=self.context_parallel_size,
             expert_model_parallel_size=self.expert_model_parallel_size,
+            expert_tensor_parallel_size=self.expert_tensor_parallel_size,
             sequence_parallel=self.sequence_parallel and self.tensor_model_parallel_size > 1,
         )
 

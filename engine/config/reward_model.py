@@ -223,7 +223,8 @@ def experiment_reward_model() -> RewardConfig:
     actor = "actor_rollout_ref.actor"
     megatron = FrozenMegatronConfig(**{name: II(f"{actor}.megatron.{name}") for name in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-        "context_parallel_size", "expert_model_parallel_size", "sequence_parallel", "param_dtype")})
+        "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+        "sequence_parallel", "param_dtype")})
     return RewardConfig(
         megatron=megatron,
         micro_batch_size_per_gpu=II("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"),

@@ -118,18 +118,20 @@ class ModelArchitecture:
             raise UnsupportedModelError(
                 f"intermediate_size={self.ffn_hidden_size} is not divisible by tensor_model_parallel_size={tp}"
             )
-        if self.moe is None and ep > 1:
+        if self.moe is None and (ep > 1 or layout.expert_tensor_parallel_size is not None):
+            key = "expert_model_parallel_size" if ep > 1 else "expert_tensor_parallel_size"
             raise UnsupportedModelError(
-                f"expert_model_parallel_size={ep} needs a Mixture-of-Experts model; {self.model_type} is dense"
+                f"{key}={getattr(layout, key)} needs a Mixture-of-Experts model; {self.model_type} is dense"
             )
         if self.moe is not None:
             if self.moe.num_experts % ep:
                 raise UnsupportedModelError(
                     f"{self.moe.num_experts} experts are not divisible by expert_model_parallel_size={ep}"
                 )
-            if self.moe.ffn_hidden_size % tp:  # megatron's expert TP size defaults to the TP size
+            etp = layout.expert_tensor_size
+            if self.moe.ffn_hidden_size % etp:
                 raise UnsupportedModelError(f"the experts' intermediate size {self.moe.ffn_hidden_size} is not "
-                                            f"divisible by tensor_model_parallel_size={tp}")
+                                            f"divisible by the expert tensor-parallel size {etp}")
         stages = layout.pipeline_model_parallel_size * (layout.virtual_pipeline_model_parallel_size or 1)
         if self.num_layers % stages:
             raise UnsupportedModelError(
@@ -347,6 +349,7 @@ def transformer_config_from_hf(
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
         context_parallel_size=layout.context_parallel_size,
         expert_model_parallel_size=layout.expert_model_parallel_size,
+        expert_tensor_parallel_size=layout.expert_tensor_size,
         sequence_parallel=layout.sequence_parallel,
         perform_initialization=perform_initialization,
         bias_activation_fusion=fused,

@@ -80,8 +80,9 @@ class WeightSynchronizer:
         self.rank = dist.get_rank()
         coordinates = training.coordinates(self.rank)
         stage = coordinates.pipeline
-        if (stage, coordinates.expert) != (parallel_state.get_pipeline_model_parallel_rank(),
-                                           parallel_state.get_expert_model_parallel_rank()):
+        if (stage, coordinates.expert, coordinates.expert_tensor) != (
+                parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_expert_model_parallel_rank(),
+                parallel_state.get_expert_tensor_parallel_rank()):
             raise ValueError("megatron's parallel state does not match the layout's rank order")
         self.specs = parameter_specs(architecture, training)
         self.dtype = getattr(torch, rollout.dtype)

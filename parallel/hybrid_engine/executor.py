@@ -76,6 +76,8 @@ class _Staging:
         self.stacked: torch.Tensor | None = None
         self.out: torch.Tensor | None = None
         self.temporaries: list[torch.Tensor] = []
+        # (received buffer, output view) pairs copied once the transfers are complete.
+        self.copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def slot(self, span: SliceRange) -> torch.Tensor:
         """The (contiguous) part of the output buffers that receives ``span``."""
@@ -187,7 +189,7 @@ class ReshardExecutor:
         for index in bucket:
             steps = self.steps[index]
             tensor = steps.tensor
-            if steps.need.length == 0:  # ReshardTarget.STAGE off the tensor's stage: nothing to do
+            if steps.need.length == 0 and not steps.direct_sends:  # STAGE off the tensor's stage: nothing to do
                 if steps.held is not None and fingerprint_rows is not None:
                     self._fingerprint_local(steps, self._held_chunk(steps, chunks_by_spec), fingerprint_rows)
                 continue
@@ -211,6 +213,7 @@ class ReshardExecutor:
                 if fingerprint_rows is not None and steps.held is not None:
                     self._fingerprint_local(steps, local_chunk, fingerprint_rows)
             handles.extend(self._issue_pipeline(staging, local_chunk))
+            handles.extend(self._issue_direct(staging, local_chunk))
             if steps.gather and not steps.receives_in_pipeline_phase:
                 early_gathers.append(staging)
             stagings.append(staging)
@@ -259,8 +262,13 @@ class ReshardExecutor:
             handle.wait()
         shards = []
         for staging in pending["stagings"]:
+            for received, view in staging.copy_back:
+                view.copy_(received)
             for temporary in staging.temporaries:
                 self._free(temporary)
+            if staging.steps.need.length == 0:  # an owner that only sent (STAGE target)
+                self._free(staging.out)
+                continue
             shards.append(self._assemble(staging))
         self.stats.num_tensors += len(shards)
         return shards
@@ -285,6 +293,31 @@ class ReshardExecutor:
         if steps.receive is not None:
             source, span = steps.receive
             buffer = staging.slot(span)
+            self.stats.bytes_received += buffer.numel() * element
+            handles.append(dist.irecv(buffer, src=source))
+        return handles
+
+    def _issue_direct(self, staging: _Staging, local_chunk: torch.Tensor | None) -> list:
+        """Point-to-point pieces of an expert at expert TP < TP (``TensorSteps.direct_receives``)."""
+        steps = staging.steps
+        handles = []
+        element = self.plan.element_size
+        outgoing: dict[SliceRange, torch.Tensor] = {}  # one buffer per distinct range
+        for destination, span in steps.direct_sends:
+            if span not in outgoing:
+                if ReshardPlan.within(span, steps.need) and ReshardPlan.contiguous_slot(steps, span):
+                    outgoing[span] = staging.slot(span)
+                else:
+                    outgoing[span] = self._converted(self._narrow(steps, local_chunk, steps.local, span))
+                    staging.temporaries.append(outgoing[span])
+            self.stats.bytes_sent += outgoing[span].numel() * element
+            handles.append(dist.isend(outgoing[span], dst=destination))
+        for source, span in steps.direct_receives:
+            buffer = staging.slot(span)
+            if not ReshardPlan.contiguous_slot(steps, span):  # gloo and NCCL take contiguous buffers
+                buffer = self._allocate(steps.tensor.slice_shape(span))
+                staging.temporaries.append(buffer)
+                staging.copy_back.append((buffer, staging.slot(span)))
             self.stats.bytes_received += buffer.numel() * element
             handles.append(dist.irecv(buffer, src=source))
         return handles

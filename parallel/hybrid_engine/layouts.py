@@ -22,11 +22,13 @@ already holds for training:
 Context-parallel ranks hold the same weights as each other, so for generation they are further
 replicas: a training data-parallel rank (C model-parallel groups) serves C * P * T / tg replicas.
 
-Expert parallelism (E ranks) splits the experts of MoE layers over the data/context-parallel
-ranks: megatron's expert layout "tp-ep-dp-pp" (expert TP = T) gives the rank with
-f = cp + C * dp the expert-parallel rank f % E and the expert-data-parallel rank f // E. Every
-generation replica serves all experts, so the reshard first completes each stage's experts on
-every expert-parallel rank (the expert phase, see ``plan``).
+Expert parallelism (E ranks) splits the experts of MoE layers, and expert tensor parallelism (Te
+ranks, a divisor of T; megatron's default Te = T) each expert's matrices, over the ranks of a
+pipeline stage: megatron's expert layout "tp-ep-dp-pp" with tp = Te gives the rank with
+r = tp + T * (cp + C * dp) inside its stage the expert TP rank r % Te, the expert-parallel rank
+(r // Te) % E and the expert-data-parallel rank r // (Te E). Every generation replica serves all
+experts, so the reshard moves each stage's experts to every rank that lacks them first (the
+expert phase, see ``plan``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class TrainingCoordinates:
     pipeline: int
     expert: int = 0  # expert-parallel rank: which experts of the MoE layers it holds
     expert_data: int = 0  # expert-data-parallel rank
+    expert_tensor: int = 0  # expert tensor-parallel rank: which slice of those experts' matrices
 
 
 @dataclass(frozen=True)
@@ -90,10 +93,11 @@ class TrainingLayout:
     virtual_pipeline_model_parallel_size: int | None = None
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None  # None: the TP size
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
-                     "context_parallel_size", "expert_model_parallel_size"):
+                     "context_parallel_size", "expert_model_parallel_size", "expert_tensor_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LayoutError(f"TrainingLayout.{name} must be an integer >= 1, got {value!r}")
@@ -110,7 +114,12 @@ class TrainingLayout:
             virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
             context_parallel_size=layout.context_parallel_size,
             expert_model_parallel_size=layout.expert_model_parallel_size,
+            expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
         )
+
+    @property
+    def expert_tensor_size(self) -> int:
+        return self.parallel_layout.expert_tensor_size
 
     @property
     def parallel_layout(self) -> ParallelLayout:
@@ -120,6 +129,7 @@ class TrainingLayout:
             virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
             context_parallel_size=self.context_parallel_size,
             expert_model_parallel_size=self.expert_model_parallel_size,
+            expert_tensor_parallel_size=self.expert_tensor_parallel_size,
         )
 
     @property
@@ -137,9 +147,10 @@ class TrainingLayout:
         tp, rest = rank % self.tensor_model_parallel_size, rank // self.tensor_model_parallel_size
         cp, rest = rest % self.context_parallel_size, rest // self.context_parallel_size
         dp, pp = rest % self.data_parallel_size, rest // self.data_parallel_size
-        flat = cp + self.context_parallel_size * dp
-        ep = self.expert_model_parallel_size
-        return TrainingCoordinates(tensor=tp, context=cp, data=dp, pipeline=pp, expert=flat % ep, expert_data=flat // ep)
+        in_stage = rank % (self.world_size // self.pipeline_model_parallel_size)
+        etp, ep = self.expert_tensor_size, self.expert_model_parallel_size
+        return TrainingCoordinates(tensor=tp, context=cp, data=dp, pipeline=pp, expert=in_stage // etp % ep,
+                                   expert_data=in_stage // (etp * ep), expert_tensor=in_stage % etp)
 
     def rank(self, tensor: int, context: int, data: int, pipeline: int) -> int:
         """The global rank at training coordinates (inverse of ``coordinates``)."""
@@ -147,11 +158,16 @@ class TrainingLayout:
             context + self.context_parallel_size * (data + self.data_parallel_size * pipeline)
         )
 
+    def expert_rank(self, expert_tensor: int, expert: int, expert_data: int, pipeline: int) -> int:
+        """The global rank at expert coordinates (megatron's "tp-ep-dp-pp" with tp = expert TP)."""
+        etp, ep = self.expert_tensor_size, self.expert_model_parallel_size
+        stage_ranks = self.world_size // self.pipeline_model_parallel_size
+        return expert_tensor + etp * (expert + ep * expert_data) + stage_ranks * pipeline
+
     def expert_peer(self, rank: int, expert: int) -> int:
-        """The rank with ``rank``'s tensor, pipeline and expert-data coordinates on expert rank ``expert``."""
+        """The rank with ``rank``'s expert TP, pipeline and expert-data coordinates on expert rank ``expert``."""
         c = self.coordinates(rank)
-        flat = expert + self.expert_model_parallel_size * c.expert_data
-        return self.rank(c.tensor, flat % self.context_parallel_size, flat // self.context_parallel_size, c.pipeline)
+        return self.expert_rank(c.expert_tensor, expert, c.expert_data, c.pipeline)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -308,8 +324,9 @@ class HybridLayout:
         vpp = f",vpp{t.virtual_pipeline_model_parallel_size}" if t.virtual_pipeline_model_parallel_size else ""
         cp = f",cp{t.context_parallel_size}" if t.context_parallel_size > 1 else ""
         ep = f",ep{t.expert_model_parallel_size}" if t.expert_model_parallel_size > 1 else ""
+        etp = f",etp{t.expert_tensor_size}" if t.expert_tensor_size != t.tensor_model_parallel_size else ""
         return (f"pp{t.pipeline_model_parallel_size},tp{t.tensor_model_parallel_size},dp{t.data_parallel_size}"
-                f"{vpp}{cp}{ep}->tp_gen{self.generation.tensor_model_parallel_size}")
+                f"{vpp}{cp}{ep}{etp}->tp_gen{self.generation.tensor_model_parallel_size}")
 
 
 def lcm(a: int, b: int) -> int:

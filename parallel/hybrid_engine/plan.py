@@ -11,7 +11,11 @@ Before them, an MoE expert's tensor is held only by its expert-parallel rank (``
 expert_owner``): the expert phase sends the owner's training slice t point-to-point to the ranks of
 the same (stage, TP rank, expert-data rank) on the other expert ranks that need a part of it, which
 then act as holders in the two phases below (with a FULL or tg <= T SHARDED target each such rank
-needs all of slice t, so the expert phase moves no byte above the lower bound).
+needs all of slice t, so the expert phase moves no byte above the lower bound). With an expert
+tensor-parallel size Te < T the owners' slices (1 / Te) do not line up with the TP slices the two
+phases gather, so an expert's tensor skips them: every rank receives what it needs and lacks
+directly from the owners of the same expert-data rank (``direct_receives``), one piece per owner
+slice, which is the lower bound by construction.
 
 Two phases move exactly the missing slices (each needed slice is received once, none twice):
 
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Sequence
 
 import torch
@@ -110,6 +115,10 @@ class TensorSteps:
     # The expert phase: the slice received from the expert's owner, or the peers the owner sends to.
     expert_receive: tuple[int, SliceRange] | None = None
     expert_sends: tuple[tuple[int, SliceRange], ...] = ()
+    # Experts at expert TP < TP, instead of every phase above: (source, range) pieces this rank
+    # receives from the owners, and the (destination, range) pieces it sends as an owner.
+    direct_receives: tuple[tuple[int, SliceRange], ...] = ()
+    direct_sends: tuple[tuple[int, SliceRange], ...] = ()
 
     @property
     def held(self) -> SliceRange | None:
@@ -154,6 +163,7 @@ class ReshardPlan:
         self.tp = t.tensor_model_parallel_size
         self.pp = t.pipeline_model_parallel_size
         self.tg = layout.generation.tensor_model_parallel_size
+        self.etp = t.expert_tensor_size
         self._validate()
         self.tensors: list[PlannedTensor] = []
         for spec_index, spec in enumerate(self.specs):
@@ -183,11 +193,13 @@ class ReshardPlan:
             experts = self.layout.training.expert_model_parallel_size
             if spec.expert_owner is not None and not 0 <= spec.expert_owner < experts:
                 raise LayoutError(f"{spec.megatron_name}: expert_owner {spec.expert_owner} outside {experts} expert ranks")
-            check_divisible(spec, self.tp, f"tensor_model_parallel_size={self.tp}")
+            split, key = self.tp, "tensor_model_parallel_size"
+            if spec.expert_owner is not None:
+                split, key = self.etp, "expert_tensor_parallel_size"
+            check_divisible(spec, split, f"{key}={split}")
             if self.target is ReshardTarget.SHARDED:
-                parts = lcm(self.tp, self.tg)
-                check_divisible(spec, parts, f"lcm of tensor_model_parallel_size={self.tp} and "
-                                             f"rollout.tensor_model_parallel_size={self.tg}")
+                check_divisible(spec, lcm(split, self.tg), f"lcm of {key}={split} and "
+                                                           f"rollout.tensor_model_parallel_size={self.tg}")
             for hf in spec.hf_tensors:
                 if hf.name in names:
                     raise ValueError(f"HF tensor {hf.name!r} is produced by two parameters; mark one as not exported")
@@ -209,6 +221,10 @@ class ReshardPlan:
         c = self.layout.training.coordinates(rank)
         return c.pipeline == stage and c.data == 0 and c.context == 0
 
+    def direct(self, tensor: PlannedTensor) -> bool:
+        """Whether ``tensor`` goes straight from its owners (an expert's at expert TP < TP)."""
+        return tensor.expert_owner is not None and self.etp != self.tp
+
     def hold(self, tensor: PlannedTensor, rank: int, *, after_expert_phase: bool = False) -> SliceRange | None:
         """The training slice ``rank`` holds (with ``after_expert_phase``: also another expert rank's)."""
         c = self.layout.training.coordinates(rank)
@@ -216,6 +232,8 @@ class ReshardPlan:
             return None
         if tensor.expert_owner not in (None, c.expert) and not after_expert_phase:
             return None
+        if self.direct(tensor):
+            return chunk_range(tensor.layout, tensor.dim, c.expert_tensor, self.etp if tensor.dim is not None else 1)
         return chunk_range(tensor.layout, tensor.dim, c.tensor, self.tp if tensor.dim is not None else 1)
 
     def fingerprint_holder(self, tensor: PlannedTensor, rank: int) -> bool:
@@ -239,6 +257,8 @@ class ReshardPlan:
         return self._steps_cache[rank]
 
     def _tensor_steps(self, tensor: PlannedTensor, rank: int) -> TensorSteps:
+        if self.direct(tensor):
+            return self._direct_steps(tensor, rank)
         training = self.layout.training
         c = training.coordinates(rank)
         owner = training.rank(c.tensor, c.context, c.data, tensor.pipeline_rank)
@@ -276,6 +296,41 @@ class ReshardPlan:
         return TensorSteps(tensor, need, local, broadcast, receive, sends, gather, position, expert_receive,
                            expert_sends)
 
+    def _direct_receives(self, tensor: PlannedTensor, rank: int) -> tuple[tuple[int, SliceRange], ...]:
+        """The pieces of ``tensor`` that ``rank`` needs and lacks, each from the owner of its slice at
+        ``rank``'s expert-data rank (which spreads the senders over the expert-data replicas)."""
+        training = self.layout.training
+        c = training.coordinates(rank)
+        need, held = self.need(tensor, rank), self.hold(tensor, rank)
+        slices = self.etp if tensor.dim is not None else 1
+        pieces = []
+        for index in range(slices):
+            owned = chunk_range(tensor.layout, tensor.dim, index, slices)
+            piece = need.intersect(owned)
+            if piece.length > 0 and owned != held:
+                source = training.expert_rank(index, tensor.expert_owner, c.expert_data, tensor.pipeline_rank)
+                pieces.append((source, piece))
+        return tuple(pieces)
+
+    def _direct_steps(self, tensor: PlannedTensor, rank: int) -> TensorSteps:
+        training = self.layout.training
+        c = training.coordinates(rank)
+        local = self.hold(tensor, rank)
+        sends: tuple[tuple[int, SliceRange], ...] = ()
+        if local is not None:  # an owner: every rank of its expert-data rank may take a piece of its slice
+            sends = tuple((peer, span) for peer in self._ranks_of_expert_data[c.expert_data] if peer != rank
+                          for source, span in self._direct_receives(tensor, peer) if source == rank)
+        return TensorSteps(tensor, self.need(tensor, rank), local, direct_receives=self._direct_receives(tensor, rank),
+                           direct_sends=sends)
+
+    @cached_property
+    def _ranks_of_expert_data(self) -> dict[int, list[int]]:
+        training = self.layout.training
+        ranks: dict[int, list[int]] = {}
+        for rank in range(training.world_size):
+            ranks.setdefault(training.coordinates(rank).expert_data, []).append(rank)
+        return ranks
+
     # ------------------------------------------------------------------ bytes
 
     def _bytes(self, tensor: PlannedTensor, span: SliceRange | None) -> int:
@@ -297,7 +352,18 @@ class ReshardPlan:
             out += self._bytes(steps.tensor, steps.expert_receive[1])
         if steps.expert_sends:  # one converted copy serves every peer
             out += self._bytes(steps.tensor, steps.expert_sends[0][1])
+        # Direct pieces go through a contiguous buffer unless they are a contiguous part of the
+        # output; one per distinct range sent.
+        out += sum(self._bytes(steps.tensor, span) for _, span in steps.direct_receives
+                   if not self.contiguous_slot(steps, span))
+        out += sum(self._bytes(steps.tensor, span) for span in {span for _, span in steps.direct_sends}
+                   if not (self.within(span, steps.need) and self.contiguous_slot(steps, span)))
         return out
+
+    @staticmethod
+    def contiguous_slot(steps: TensorSteps, span: SliceRange) -> bool:
+        """Whether ``span``'s part of the output buffer (rows ``steps.need``) is contiguous."""
+        return steps.tensor.dim in (None, 0) or span == steps.need
 
     @staticmethod
     def within(span: SliceRange, outer: SliceRange) -> bool:
@@ -318,7 +384,8 @@ class ReshardPlan:
             pipeline = tensor_phase = sent = expert = 0
             if steps.expert_receive is not None:
                 expert += self._bytes(tensor, steps.expert_receive[1])
-            sent += sum(self._bytes(tensor, span) for _, span in steps.expert_sends)
+            sent += sum(self._bytes(tensor, span) for _, span in steps.expert_sends + steps.direct_sends)
+            expert += sum(self._bytes(tensor, span) for _, span in steps.direct_receives)
             if steps.broadcast is not None:
                 source, span = steps.broadcast
                 if rank == source:

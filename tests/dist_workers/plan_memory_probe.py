@@ -13,13 +13,16 @@ import sys
 import torch
 
 CASES = [
-    # name, model_type, tie, tp, pp, param dtype, distributed optimizer, value head, expert parallel
-    ("llama_tp2_dp2_bf16_distopt", "llama", False, 2, 1, "bfloat16", True, False, 1),
-    ("qwen2_pp2_dp2_bf16_distopt_critic", "qwen2", False, 1, 2, "bfloat16", True, True, 1),
-    ("llama_tied_tp2_pp2_fp32_adam", "llama", True, 2, 2, "float32", False, False, 1),
-    # experts on 2 EP ranks: their optimizer state sharded over expert-DP 1 (with TP2) and 2 (DP4)
-    ("qwen3moe_tp2_ep2_bf16_distopt", "qwen3_moe", False, 2, 1, "bfloat16", True, False, 2),
-    ("qwen3moe_ep2_dp4_bf16_distopt", "qwen3_moe", False, 1, 1, "bfloat16", True, False, 2),
+    # name, model_type, tie, tp, pp, param dtype, distributed optimizer, value head, expert parallel,
+    # expert tensor parallel (None: the TP size)
+    ("llama_tp2_dp2_bf16_distopt", "llama", False, 2, 1, "bfloat16", True, False, 1, None),
+    ("qwen2_pp2_dp2_bf16_distopt_critic", "qwen2", False, 1, 2, "bfloat16", True, True, 1, None),
+    ("llama_tied_tp2_pp2_fp32_adam", "llama", True, 2, 2, "float32", False, False, 1, None),
+    # experts on 2 EP ranks: their optimizer state sharded over expert-DP 1 (with TP2) and 2 (DP4); whole
+    # experts (expert TP 1) at TP2: expert-DP 2
+    ("qwen3moe_tp2_ep2_bf16_distopt", "qwen3_moe", False, 2, 1, "bfloat16", True, False, 2, None),
+    ("qwen3moe_ep2_dp4_bf16_distopt", "qwen3_moe", False, 1, 1, "bfloat16", True, False, 2, None),
+    ("qwen3moe_tp2_ep2_etp1_bf16_distopt", "qwen3_moe", False, 2, 1, "bfloat16", True, False, 2, 1),
 ]
 # The MoE model: 4 experts of 32, top 2, layer 1 dense (a stage of mixed layers).
 MOE_FIELDS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
@@ -54,8 +57,9 @@ def measure(case) -> dict:
     from parallel.layout import ParallelLayout
     from parallel.state import initialize_model_parallel
 
-    name, model_type, tie, tp, pp, dtype, distopt, value_head, ep = case
-    layout = ParallelLayout(tp, pp, expert_model_parallel_size=ep, sequence_parallel=tp > 1)
+    name, model_type, tie, tp, pp, dtype, distopt, value_head, ep, etp = case
+    layout = ParallelLayout(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                            sequence_parallel=tp > 1)
     initialize_model_parallel(layout, seed=3)
     bf16 = dtype == "bfloat16"
     chunks = build_model_chunks(hf_config(model_type, tie), layout, value_head=value_head,

@@ -32,8 +32,8 @@ MAX_NEW_TOKENS = 5
 
 def parse_case(text: str):
     values = [int(x) for x in text.split(",")]
-    pp, tp, vpp, tg, ep = values + [1][len(values) - 4:]
-    return pp, tp, vpp or None, tg, ep
+    pp, tp, vpp, tg, ep, etp = values + [1, 0][len(values) - 4:]
+    return pp, tp, vpp or None, tg, ep, etp or None
 
 
 def check_rank_map(training) -> None:
@@ -119,9 +119,9 @@ def run_case(case: str, hf_dir: str, bucket_megabytes: float, engine_name: str, 
     from parallel.layout import ParallelLayout
     from parallel.state import initialize_model_parallel
 
-    pp, tp, vpp, tg, ep = parse_case(case)
+    pp, tp, vpp, tg, ep, etp = parse_case(case)
     layout = ParallelLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                            virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep)
+                            virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     initialize_model_parallel(layout, seed=3)
@@ -208,7 +208,7 @@ def run_case(case: str, hf_dir: str, bucket_megabytes: float, engine_name: str, 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hf-dir", required=True)
-    parser.add_argument("--cases", nargs="+", required=True, help="pp,tp,vpp,tp_gen (vpp 0 = none)")
+    parser.add_argument("--cases", nargs="+", required=True, help="pp,tp,vpp,tp_gen[,ep[,etp]] (vpp 0 = none, etp 0 = tp)")
     parser.add_argument("--bucket-megabytes", type=float, default=0.05)
     parser.add_argument("--engine", choices=["torch", "sglang"], default="torch")
     parser.add_argument("--out", required=True)

@@ -48,8 +48,9 @@ def make_batch(vocab_size: int, seed: int):
 
 def parse_layout(text: str) -> dict:
     values = [int(x) for x in text.split(",")]
-    tp, pp, vpp, sp, packing, dynamic, ep = values + [1][len(values) - 6:]
-    return dict(tp=tp, pp=pp, vpp=vpp or None, sp=bool(sp), packing=bool(packing), dynamic=bool(dynamic), ep=ep)
+    tp, pp, vpp, sp, packing, dynamic, ep, etp = values + [1, 0][len(values) - 6:]
+    return dict(tp=tp, pp=pp, vpp=vpp or None, sp=bool(sp), packing=bool(packing), dynamic=bool(dynamic), ep=ep,
+                etp=etp or None)
 
 
 def use_layout(spec: dict):
@@ -61,7 +62,8 @@ def use_layout(spec: dict):
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     layout = ParallelLayout(spec["tp"], spec["pp"], spec["vpp"], sequence_parallel=spec["sp"],
-                            expert_model_parallel_size=spec.get("ep", 1))
+                            expert_model_parallel_size=spec.get("ep", 1),
+                            expert_tensor_parallel_size=spec.get("etp"))
     initialize_model_parallel(layout, seed=5)
     return layout
 
@@ -322,7 +324,7 @@ def check_routing_mismatch(hf_dir: Path, seed: int, results: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hf-dir", type=Path, required=True)
-    parser.add_argument("--layouts", nargs="*", default=[], help="tp,pp,vpp,sp,packing,dynamic")
+    parser.add_argument("--layouts", nargs="*", default=[], help="tp,pp,vpp,sp,packing,dynamic[,ep[,etp]] (etp 0 = tp)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check-vocab-parallel", action="store_true")
     parser.add_argument("--check-reference", action="store_true")
