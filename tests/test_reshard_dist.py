@@ -99,10 +99,11 @@ def tiny_qwen3_moe_dir(tmp_path_factory):
 
 def test_moe_reshard_on_4_ranks(tiny_qwen3_moe_dir, tmp_path):
     # pp,tp,vpp,tp_gen,ep[,etp]: experts split over TP only (pp2,tp2)->1; over EP2 x TP2 -> 1 and -> 2; over
-    # EP2 x PP2 -> 1; over EP4 -> 1 (each rank holds one expert of each MoE layer); whole experts (expert
-    # TP 1) at TP2: EP2 -> 2, EP2 x PP2 -> 1, EP4 over the TP and DP ranks -> 2.
-    cases = ["2,2,0,1", "1,2,0,1,2", "1,2,0,2,2", "2,1,0,1,2", "1,1,0,1,4", "1,2,0,2,2,1", "2,2,0,1,2,1",
-             "1,2,0,2,4,1"]
+    # EP2 x PP2 -> 1 and -> 2 (generation TP above the training TP); over EP4 -> 1 (each rank holds one
+    # expert of each MoE layer); whole experts (expert TP 1) at TP2: EP2 -> 2, EP2 x PP2 -> 1, EP4 over
+    # the TP and DP ranks -> 2.
+    cases = ["2,2,0,1", "1,2,0,1,2", "1,2,0,2,2", "2,1,0,1,2", "2,1,0,2,2", "1,1,0,1,4", "1,2,0,2,2,1",
+             "2,2,0,1,2,1", "1,2,0,2,4,1"]
     records = run_cases(tiny_qwen3_moe_dir, tmp_path, 4, cases)
     assert all(r["prompts_checked"] > 0 for r in records)
     for record in records:  # vocab 256 needs no padding: every byte moved is one the rank lacked

@@ -257,7 +257,7 @@ def test_plan_moves_exactly_the_missing_slices(pp, tp, dp, vpp, tg, target):
 # (pp, tp, dp, tg, ep): experts split over 2, 4 or 8 expert ranks, with TP, PP and data parallelism
 # beside them (expert-data-parallel replicas), generation TP up to the training TP.
 EXPERT_LAYOUTS = [(1, 1, 2, 1, 2), (1, 2, 2, 2, 2), (2, 2, 2, 1, 2), (1, 1, 4, 1, 2), (2, 1, 4, 1, 4),
-                  (1, 1, 8, 1, 8), (2, 2, 2, 2, 2)]
+                  (1, 1, 8, 1, 8), (2, 2, 2, 2, 2), (2, 1, 2, 2, 2), (2, 2, 2, 4, 2)]
 
 
 @pytest.mark.parametrize("pp, tp, dp, tg, ep", EXPERT_LAYOUTS)

@@ -13,9 +13,10 @@ the same (stage, TP rank, expert-data rank) on the other expert ranks that need 
 then act as holders in the two phases below (with a FULL or tg <= T SHARDED target each such rank
 needs all of slice t, so the expert phase moves no byte above the lower bound). With an expert
 tensor-parallel size Te < T the owners' slices (1 / Te) do not line up with the TP slices the two
-phases gather, so an expert's tensor skips them: every rank receives what it needs and lacks
-directly from the owners of the same expert-data rank (``direct_receives``), one piece per owner
-slice, which is the lower bound by construction.
+phases gather, and a SHARDED target with tg > T needs sub-slices of them, so there an expert's
+tensor skips every phase: each rank receives what it needs and lacks directly from the owners of
+the same expert-data rank (``direct_receives``), one piece per owner slice, which is the lower
+bound by construction.
 
 Two phases move exactly the missing slices (each needed slice is received once, none twice):
 
@@ -222,8 +223,11 @@ class ReshardPlan:
         return c.pipeline == stage and c.data == 0 and c.context == 0
 
     def direct(self, tensor: PlannedTensor) -> bool:
-        """Whether ``tensor`` goes straight from its owners (an expert's at expert TP < TP)."""
-        return tensor.expert_owner is not None and self.etp != self.tp
+        """Whether ``tensor`` goes straight from its owners: an expert's at expert TP < TP, or for a
+        SHARDED target with generation TP > TP (each rank needs a sub-slice of another stage's
+        experts, which the expert phase could only complete with the owner's whole slice)."""
+        sub_slices = self.target is ReshardTarget.SHARDED and self.tg > self.tp
+        return tensor.expert_owner is not None and (self.etp != self.tp or sub_slices)
 
     def hold(self, tensor: PlannedTensor, rank: int, *, after_expert_phase: bool = False) -> SliceRange | None:
         """The training slice ``rank`` holds (with ``after_expert_phase``: also another expert rank's)."""
