@@ -298,18 +298,14 @@ class ReshardExecutor:
         return handles
 
     def _issue_direct(self, staging: _Staging, local_chunk: torch.Tensor | None) -> list:
-        """Point-to-point pieces of an expert at expert TP < TP (``TensorSteps.direct_receives``)."""
+        """Point-to-point pieces of an expert sent straight from its owners (``ReshardPlan.direct``)."""
         steps = staging.steps
         handles = []
         element = self.plan.element_size
         outgoing: dict[SliceRange, torch.Tensor] = {}  # one buffer per distinct range
         for destination, span in steps.direct_sends:
             if span not in outgoing:
-                if ReshardPlan.within(span, steps.need) and ReshardPlan.contiguous_slot(steps, span):
-                    outgoing[span] = staging.slot(span)
-                else:
-                    outgoing[span] = self._converted(self._narrow(steps, local_chunk, steps.local, span))
-                    staging.temporaries.append(outgoing[span])
+                outgoing[span] = self._outgoing(staging, local_chunk, span)
             self.stats.bytes_sent += outgoing[span].numel() * element
             handles.append(dist.isend(outgoing[span], dst=destination))
         for source, span in steps.direct_receives:
@@ -325,7 +321,7 @@ class ReshardExecutor:
     def _outgoing(self, staging: _Staging, local_chunk: torch.Tensor, span: SliceRange) -> torch.Tensor:
         """The buffer a source sends ``span`` from: its own output slot, or a converted copy."""
         steps = staging.steps
-        if ReshardPlan.within(span, steps.need):
+        if ReshardPlan.sends_from_output(steps, span):
             return staging.slot(span)
         copy = self._converted(self._narrow(steps, local_chunk, steps.local, span))
         staging.temporaries.append(copy)

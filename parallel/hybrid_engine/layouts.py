@@ -121,7 +121,7 @@ class TrainingLayout:
     def expert_tensor_size(self) -> int:
         return self.parallel_layout.expert_tensor_size
 
-    @property
+    @cached_property  # coordinates() asks for the expert TP size of every rank
     def parallel_layout(self) -> ParallelLayout:
         return ParallelLayout(
             tensor_model_parallel_size=self.tensor_model_parallel_size,

@@ -236,9 +236,9 @@ class ReshardPlan:
             return None
         if tensor.expert_owner not in (None, c.expert) and not after_expert_phase:
             return None
-        if self.direct(tensor):
-            return chunk_range(tensor.layout, tensor.dim, c.expert_tensor, self.etp if tensor.dim is not None else 1)
-        return chunk_range(tensor.layout, tensor.dim, c.tensor, self.tp if tensor.dim is not None else 1)
+        # An expert's slice is its expert-TP rank's (the TP rank's when expert TP = TP).
+        index, slices = (c.expert_tensor, self.etp) if tensor.expert_owner is not None else (c.tensor, self.tp)
+        return chunk_range(tensor.layout, tensor.dim, index, slices if tensor.dim is not None else 1)
 
     def fingerprint_holder(self, tensor: PlannedTensor, rank: int) -> bool:
         """Whether ``rank``'s own slice of ``tensor`` goes into the export fingerprint (one rank per slice)."""
@@ -351,23 +351,29 @@ class ReshardPlan:
         outgoing = [span for _, span in steps.sends]
         if steps.broadcast is not None and steps.local is not None:
             outgoing.append(steps.broadcast[1])
-        out += sum(self._bytes(steps.tensor, span) for span in outgoing if not self.within(span, steps.need))
+        out += sum(self._bytes(steps.tensor, span) for span in outgoing if not self.sends_from_output(steps, span))
         if steps.expert_receive is not None:
             out += self._bytes(steps.tensor, steps.expert_receive[1])
         if steps.expert_sends:  # one converted copy serves every peer
             out += self._bytes(steps.tensor, steps.expert_sends[0][1])
-        # Direct pieces go through a contiguous buffer unless they are a contiguous part of the
-        # output; one per distinct range sent.
+        # Direct pieces land in a contiguous buffer where their part of the output is not one, and
+        # leave from one copy per distinct range.
         out += sum(self._bytes(steps.tensor, span) for _, span in steps.direct_receives
                    if not self.contiguous_slot(steps, span))
         out += sum(self._bytes(steps.tensor, span) for span in {span for _, span in steps.direct_sends}
-                   if not (self.within(span, steps.need) and self.contiguous_slot(steps, span)))
+                   if not self.sends_from_output(steps, span))
         return out
 
     @staticmethod
     def contiguous_slot(steps: TensorSteps, span: SliceRange) -> bool:
-        """Whether ``span``'s part of the output buffer (rows ``steps.need``) is contiguous."""
-        return steps.tensor.dim in (None, 0) or span == steps.need
+        """Whether ``span``'s part of the output buffers is contiguous (gloo and NCCL move only those):
+        rows along dim 0, the whole output, or one slice of the stacked gather buffer."""
+        return steps.tensor.dim in (None, 0) or span == steps.need or span in steps.gather
+
+    @classmethod
+    def sends_from_output(cls, steps: TensorSteps, span: SliceRange) -> bool:
+        """Whether a source sends ``span`` straight from its output buffers (else from a converted copy)."""
+        return cls.within(span, steps.need) and cls.contiguous_slot(steps, span)
 
     @staticmethod
     def within(span: SliceRange, outer: SliceRange) -> bool:
