@@ -14,8 +14,9 @@ what this machine cannot hold. Every change is printed first, with its reason, a
   4 experts and each token routed to at most 2, with the character-level tokenizer of the demo
   model as a stand-in;
 - the layout: tensor, pipeline and virtual pipeline sizes above 2 become 2, data parallelism at
-  most 2 and within ``--max-ranks``, expert parallelism within the data parallelism and dividing
-  the tiny model's experts; the generation TP keeps its ratio to the training TP;
+  most 2 and within ``--max-ranks``, expert TP dividing the shrunk TP, expert parallelism within
+  the stage's ranks that expert TP leaves and dividing the tiny model's experts; the generation TP
+  keeps its ratio to the training TP;
 - lengths and batches: prompts and responses capped at ``PROMPT_CAP`` / ``RESPONSE_CAP`` tokens
   (token budgets scale with them), micro-batches at 2 sequences, at most 2 optimizer steps per
   iteration, and the smallest prompt batch the shrunk layout divides;
