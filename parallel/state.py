@@ -114,6 +114,16 @@ def destroy_model_parallel() -> None:
         dist.destroy_process_group()
 
 
+def address_towards(host: str, port: int) -> str:
+    """This machine's IP address on the route to ``host`` (what a process there connects back to);
+    a UDP ``connect`` picks the route without sending anything."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return probe.getsockname()[0]
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
     """A TCP port the OS reports free on ``host`` now (rendezvous and server ports of launchers and tests)."""
     import socket

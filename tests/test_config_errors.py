@@ -339,8 +339,17 @@ def test_disaggregated_rollout_settings():
         DEMO, disaggregated + ["actor_rollout_ref.rollout.name=sglang"])
     assert "rollout.num_gpus=3: must be a positive multiple of actor_rollout_ref.rollout.tensor_model_parallel_size=2" \
         in error_of(QWEN_7B, disaggregated + ["actor_rollout_ref.rollout.num_gpus=3"])
-    assert "trainer.nnodes=2: must be 1 with actor_rollout_ref.rollout.mode=disaggregated" in error_of(
+    assert "trainer.nnodes=2: must be 1 with actor_rollout_ref.rollout.mode=disaggregated and num_gpus" in error_of(
         QWEN_7B, disaggregated + ["actor_rollout_ref.rollout.num_gpus=4", "trainer.nnodes=2"], world_size=16)
+    # Servers on nodes of their own: any number of trainer nodes, no GPUs of this job, host:port each.
+    external = disaggregated + ["actor_rollout_ref.rollout.server_addresses=[10.0.0.5:30000,10.0.0.6:30000]"]
+    load_config(QWEN_7B, external + ["trainer.nnodes=2"], world_size=16)
+    assert "rollout.server_addresses=['10.0.0.5:30000']: must be empty with actor_rollout_ref.rollout.mode=colocated" \
+        in error_of(QWEN_7B, ["actor_rollout_ref.rollout.server_addresses=[10.0.0.5:30000]"])
+    assert "rollout.num_gpus=2: must be 0 with actor_rollout_ref.rollout.server_addresses" in error_of(
+        QWEN_7B, external + ["actor_rollout_ref.rollout.num_gpus=2"])
+    assert "must be 'host:port' entries (got '10.0.0.5')" in error_of(
+        QWEN_7B, disaggregated + ["actor_rollout_ref.rollout.server_addresses=[10.0.0.5]"])
 
 
 # ----------------------------------------------------------------------------- choices

@@ -128,3 +128,86 @@ def test_one_step_off_policy_trains_on_the_previous_weights_samples(demo_model, 
     # apart they differ by about the update's own KL.
     assert rows[0]["rollout_corr/kl_k3"] < 1e-9
     assert all(row["rollout_corr/kl_k3"] > 1e-5 for row in rows[1:]), [row["rollout_corr/kl_k3"] for row in rows]
+
+
+def test_servers_on_a_node_of_their_own_serve_only_the_jobs_key(demo_model, tmp_path):
+    """launch.rollout_servers as a rollout node runs it: a server on this machine's network address
+    (not loopback), requiring a key that appears in no log, file or command line; trainers attach to
+    it by address and push their weights over the network."""
+    import secrets
+
+    import requests
+
+    key = secrets.token_hex(16)
+    addresses_file, run_dir = tmp_path / "servers" / "addresses", tmp_path / "run"
+    addresses_file.parent.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    servers = subprocess.Popen(
+        [sys.executable, "-m", "launch.rollout_servers", "yaml/demo_cpu.yaml", *SGLANG, "--servers", "1",
+         "--address-file", str(addresses_file)],
+        cwd=REPO_ROOT, env={**env, "TRIDENT_ROLLOUT_API_KEY": key}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True)
+
+    def trainers(api_key: str, steps: int, run_dir=run_dir) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+             f"--master_port={find_free_port()}", "-m", "launch.main", "yaml/demo_cpu.yaml", *SGLANG,
+             "actor_rollout_ref.rollout.mode=disaggregated", f"actor_rollout_ref.rollout.server_addresses=[{address}]",
+             f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={run_dir}",
+             "actor_rollout_ref.rollout.request_timeout_s=60", "actor_rollout_ref.rollout.weight_update_timeout_s=60"],
+            cwd=REPO_ROOT, env={**env, "TRIDENT_ROLLOUT_API_KEY": api_key}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+
+    try:
+        deadline = time.monotonic() + 300
+        while not addresses_file.exists():
+            assert servers.poll() is None and time.monotonic() < deadline, servers.communicate()[0][-4000:]
+            time.sleep(1)
+        address = addresses_file.read_text().split()[0]
+        assert not address.startswith("127."), address  # reachable from other nodes
+        generate = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+        assert requests.post(f"http://{address}/generate", json=generate, timeout=30).status_code == 401
+        headers = {"Authorization": f"Bearer {key}"}
+        assert requests.post(f"http://{address}/generate", json=generate, headers=headers, timeout=30).status_code == 200
+
+        wrong = trainers("not-the-key", steps=2)
+        output = wrong.communicate(timeout=300)[0]
+        assert wrong.returncode != 0 and "refuses this job's API key (HTTP 401)" in output, output[-4000:]
+
+        good = trainers(key, steps=2)
+        output = good.communicate(timeout=600)[0]
+        assert good.returncode == 0, output[-6000:]
+        rows = read_metrics(run_dir)
+        assert [row["step"] for row in rows] == [1, 2]
+        for row in rows:  # the server samples with the weights the trainers broadcast to it
+            assert row["rollout/log_prob_abs_diff"] < expected_log_prob_gap("float32"), row
+        log = (addresses_file.parent / "sglang_server0.log").read_text()
+        assert log.count('"POST /update_weights_from_distributed HTTP/1.1" 200') == 1 + len(rows)
+        assert "'api_key': '<redacted>'" in log
+        # The key is in no log, run file, output or command line of this machine.
+        files = [path for folder in (run_dir, addresses_file.parent) for path in folder.rglob("*") if path.is_file()]
+        assert not [path for path in files if key.encode() in path.read_bytes()]
+        assert key not in output
+        for folder in os.scandir("/proc"):
+            if folder.name.isdigit():
+                try:
+                    assert key.encode() not in open(f"/proc/{folder.name}/cmdline", "rb").read()
+                except OSError:
+                    continue
+
+        # The servers go away mid-run (their node is lost: the launcher and, through its reaper,
+        # its servers): the trainers stop with a clear error.
+        lost_dir = tmp_path / "lost"
+        job = trainers(key, steps=50, run_dir=lost_dir)
+        while not (lost_dir / "metrics.jsonl").exists() or len(read_metrics(lost_dir)) < 2:
+            assert job.poll() is None, job.communicate()[0][-4000:]
+            time.sleep(0.5)
+        lost = time.monotonic()
+        os.killpg(servers.pid, signal.SIGKILL)
+        output = job.communicate(timeout=300)[0]
+        assert job.returncode != 0 and f"SGLang server http://{address}" in output, output[-6000:]
+        assert time.monotonic() - lost < 60  # within the request timeout
+    finally:
+        if servers.poll() is None:
+            os.killpg(servers.pid, signal.SIGTERM)
+            servers.wait(timeout=60)

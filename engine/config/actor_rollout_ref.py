@@ -158,12 +158,19 @@ class RolloutConfig(SamplingConfig):
         name: the engine: "torch" (HF generate inside the trainer process, for small CPU runs) or
             "sglang" (SGLang servers).
         mode: "colocated": the engine shares the training GPUs and takes the weights from them
-            (3D-HybridEngine); "disaggregated": SGLang servers on ``num_gpus`` GPUs of their own
-            (after the trainer's on its node), started by rank 0; each pipeline stage's data-parallel
-            rank 0 broadcasts its stage's weights to them (``update_weights_from_distributed``).
+            (3D-HybridEngine); "disaggregated": SGLang servers on GPUs of their own, ``num_gpus`` after
+            the trainer's on its node (started by rank 0) or on nodes of their own
+            (``server_addresses``); each pipeline stage's data-parallel rank 0 broadcasts its
+            stage's weights to them (``update_weights_from_distributed``).
         num_gpus: disaggregated mode: GPUs given to the servers, ``num_gpus / tensor_model_parallel_size``
             servers (on a machine without GPUs, server processes of that many TP ranks on the CPU);
-            0 in colocated mode.
+            0 in colocated mode and with ``server_addresses``.
+        server_addresses: disaggregated mode with servers on nodes of their own: ``host:port`` of each
+            SGLang server, started before the trainers by ``python -m launch.rollout_servers`` (the
+            Slurm script and the Ray launcher run it on the rollout nodes). The trainers attach to
+            them instead of starting servers, authenticate with the job's API key (environment
+            variable ``TRIDENT_ROLLOUT_API_KEY``, never logged) and broadcast the weights to them
+            from the trainer nodes. Empty: rank 0 starts ``num_gpus`` worth of servers on its node.
         tensor_model_parallel_size: generation TP size of one engine replica.
         dtype: weight precision inside the engine.
         gpu_memory_utilization: fraction of GPU memory the engine may take (SGLang's
@@ -191,6 +198,7 @@ class RolloutConfig(SamplingConfig):
     name: str = "sglang"
     mode: str = "colocated"
     num_gpus: int = 0
+    server_addresses: list[str] = field(default_factory=list)
     tensor_model_parallel_size: int = 1
     dtype: str = "bfloat16"
     gpu_memory_utilization: float = 0.5

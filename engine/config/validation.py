@@ -372,6 +372,9 @@ def _check_rollout(config: ExperimentConfig, training_world: int) -> None:
         )
     _check_staleness(config)
     _check_rollout_correction(config)
+    _require(not rollout.server_addresses or rollout.mode == "disaggregated", f"{ROLLOUT}.server_addresses",
+             list(rollout.server_addresses), f"empty with {ROLLOUT}.mode=colocated (servers of their own need "
+             f"mode=disaggregated)")
     if rollout.mode == "disaggregated":
         _check_disaggregated(config)
         return
@@ -431,17 +434,27 @@ def _check_staleness(config: ExperimentConfig) -> None:
 
 
 def _check_disaggregated(config: ExperimentConfig) -> None:
-    """Servers on GPUs of their own: SGLang only, whole servers, on the trainer's (single) node."""
+    """Servers on GPUs of their own: SGLang only; whole servers on the trainer's (single) node, or
+    servers already running on nodes of their own (``server_addresses``)."""
     rollout = config.actor_rollout_ref.rollout
     _require(rollout.name == "sglang", f"{ROLLOUT}.name", rollout.name,
              f"'sglang' with {ROLLOUT}.mode=disaggregated (the embedded engine lives inside the trainer processes)")
+    if rollout.server_addresses:
+        for address in rollout.server_addresses:
+            host, _, port = str(address).rpartition(":")
+            _require(bool(host) and port.isdigit() and 0 < int(port) < 65536, f"{ROLLOUT}.server_addresses",
+                     list(rollout.server_addresses), f"'host:port' entries (got {address!r})")
+        _require(rollout.num_gpus == 0, f"{ROLLOUT}.num_gpus", rollout.num_gpus,
+                 f"0 with {ROLLOUT}.server_addresses (those servers run on GPUs outside this job's)")
+        return
     tp = rollout.tensor_model_parallel_size
     _require(rollout.num_gpus >= tp and rollout.num_gpus % tp == 0, f"{ROLLOUT}.num_gpus", rollout.num_gpus,
              f"a positive multiple of {ROLLOUT}.tensor_model_parallel_size={tp} in mode=disaggregated "
              f"(num_gpus / tensor_model_parallel_size servers)")
     _require(config.trainer.nnodes == 1, "trainer.nnodes", config.trainer.nnodes,
-             f"1 with {ROLLOUT}.mode=disaggregated: the servers run on the trainer's node after its "
-             f"trainer.n_gpus_per_node GPUs; servers and trainers on separate nodes are not built yet")
+             f"1 with {ROLLOUT}.mode=disaggregated and num_gpus: rank 0 starts the servers on its node after its "
+             f"trainer.n_gpus_per_node GPUs; for servers on nodes of their own start them with "
+             f"`python -m launch.rollout_servers` and give their {ROLLOUT}.server_addresses")
 
 
 def _check_replica_placement(config: ExperimentConfig, training_world: int) -> None:

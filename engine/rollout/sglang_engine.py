@@ -17,6 +17,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -71,6 +72,12 @@ class SGLangRolloutConfig:
     # stages > 0), as "host:port"; this engine then only pushes weights into the owner's session
     # (the owner opens and closes it; the trainer orders the two with barriers).
     attach_to: tuple[str, ...] = ()
+    # Servers a launcher started on nodes of their own ("host:port", ``launch.rollout_servers``):
+    # this engine drives them like its own (weight-update sessions, cache flushes) but neither
+    # starts nor stops them.
+    external_servers: tuple[str, ...] = ()
+    # The key those servers require (``rollout.server_addresses``); never logged.
+    api_key: str | None = dataclasses.field(default=None, repr=False)
     # Index of this engine's first server among the job's (its log is sglang_replica{index}.log).
     first_replica_index: int = 0
     random_seed: int | None = None
@@ -79,9 +86,12 @@ class SGLangRolloutConfig:
 
     def __post_init__(self) -> None:
         tp = self.rollout.tensor_model_parallel_size
-        self.attach_to = tuple(self.attach_to)
-        # Attached servers are placed by their owner.
-        self.replica_gpus = ((),) * len(self.attach_to) if self.attach_to else tuple(tuple(g) for g in self.replica_gpus)
+        self.attach_to, self.external_servers = tuple(self.attach_to), tuple(self.external_servers)
+        if self.attach_to and self.external_servers:
+            raise ValueError("SGLangRolloutConfig: attach_to and external_servers exclude each other")
+        # Servers this engine does not start are placed by whoever started them.
+        running = self.attach_to or self.external_servers
+        self.replica_gpus = ((),) * len(running) if running else tuple(tuple(g) for g in self.replica_gpus)
         if not self.replica_gpus:
             raise ValueError("SGLangRolloutConfig.replica_gpus must name at least one replica")
         for gpus in self.replica_gpus:
@@ -152,10 +162,12 @@ class SGLangRolloutEngine(RolloutEngine):
         self.weight_transport: WeightTransport = config.weight_transport
         self.tensor_shapes = checkpoint_tensor_shapes(config.model_path)
         run_dir = Path(config.run_dir)
-        addresses = [address.rsplit(":", 1) for address in config.attach_to] or [(config.host, None)] * len(config.replica_gpus)
+        running = config.attach_to or config.external_servers
+        addresses = [address.rsplit(":", 1) for address in running] or [(config.host, None)] * len(config.replica_gpus)
+        # The owner of the servers' weight-update sessions (not of their processes, for external ones).
         self.owns_servers = not config.attach_to
         self.servers = [
-            (SGLangServer if self.owns_servers else SGLangServer.attach)(
+            (SGLangServer.attach if running else SGLangServer)(
                 SGLangServerConfig(
                     model_path=config.model_path,
                     log_path=run_dir / f"sglang_replica{config.first_replica_index + i}.log",
@@ -168,6 +180,7 @@ class SGLangRolloutEngine(RolloutEngine):
                     random_seed=config.random_seed,
                     trust_remote_code=config.trust_remote_code,
                     extra_args=tuple(config.extra_server_args),
+                    api_key=config.api_key,
                 )
             )
             for i, ((host, port), gpus) in enumerate(zip(addresses, config.replica_gpus))
@@ -308,6 +321,7 @@ class SGLangRolloutEngine(RolloutEngine):
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         address = self.config.weight_update_master_address
         port = find_free_port(address)
+        timeout_s = self.config.rollout.weight_update_timeout_s
         # A fresh name per group: torch refuses to register a name twice, and an abandoned group
         # (see _abandon_weight_update_group) stays registered in this process.
         group_name = f"trident_weight_update_{uuid.uuid4().hex[:8]}"
@@ -323,20 +337,33 @@ class SGLangRolloutEngine(RolloutEngine):
                     "group_name": group_name,
                     "backend": backend,
                 },
-                self.config.rollout.weight_update_timeout_s,
+                timeout_s,
             )
             for i, server in enumerate(self.servers)
         ]
-        group = init_custom_process_group(
-            backend=backend,
-            init_method=f"tcp://{address}:{port}",
-            world_size=world_size,
-            rank=0,
-            group_name=group_name,
-            timeout=datetime.timedelta(seconds=self.config.rollout.weight_update_timeout_s),
-        )
+        joined: dict[str, Any] = {}
+
+        def join_group() -> None:
+            try:
+                joined["group"] = init_custom_process_group(
+                    backend=backend, init_method=f"tcp://{address}:{port}", world_size=world_size, rank=0,
+                    group_name=group_name, timeout=datetime.timedelta(seconds=timeout_s))
+            except BaseException as error:  # re-raised below, in the caller's thread
+                joined["error"] = error
+
+        # The rendezvous runs beside the requests: a server that refuses them (a wrong API key, a dead
+        # process) never joins, and its answer, not the rendezvous timeout, ends the wait. A daemon
+        # thread, so a rendezvous left waiting then cannot hold the process at exit.
+        joiner = threading.Thread(target=join_group, name="weight-update-group", daemon=True)
+        joiner.start()
         self._check_success("/init_weights_update_group", [future.result() for future in futures])
-        self._weight_update_group, self._weight_update_group_name = group, group_name
+        joiner.join(timeout_s)
+        if joiner.is_alive():
+            raise WeightUpdateError(f"the weight-update group at {address}:{port} did not form within {timeout_s:.0f}s "
+                                    f"(actor_rollout_ref.rollout.weight_update_timeout_s)")
+        if "error" in joined:
+            raise joined["error"]
+        self._weight_update_group, self._weight_update_group_name = joined["group"], group_name
 
     def _push_by_broadcast(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket

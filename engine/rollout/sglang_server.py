@@ -25,6 +25,7 @@ from engine.config.actor_rollout_ref import RolloutConfig
 from engine.lifecycle import forget_process_group, watch_process_group
 from engine.rollout.base import RolloutError
 from engine.rollout.sglang_cpu import adapt_server_for_cpu, needs_cpu_adaptation
+from engine.rollout.sglang_launch import API_KEY_ENV
 from parallel.state import find_free_port
 
 LOG_TAIL_LINES = 30
@@ -59,6 +60,9 @@ class SGLangServerConfig:
     # The trainer's rollout servers take and return token ids; a judge serves chat text.
     skip_tokenizer_init: bool = True
     extra_args: tuple[str, ...] = ()
+    # Servers that other nodes reach require this key on every request (SGLang's --api-key, passed
+    # to the process in its environment, see engine.rollout.sglang_launch); None on loopback.
+    api_key: str | None = dataclasses.field(default=None, repr=False)
     python_executable: str = sys.executable
 
 
@@ -127,7 +131,7 @@ class SGLangServer:
         """The server command line and environment (plain SGLang on GPU, CPU additions otherwise)."""
         cfg = self.config
         args = [
-            cfg.python_executable, "-m", "sglang.launch_server",
+            cfg.python_executable, "-m", "engine.rollout.sglang_launch" if cfg.api_key else "sglang.launch_server",
             "--model-path", str(cfg.model_path),
             "--host", cfg.host,
             "--port", str(self.port),
@@ -150,6 +154,9 @@ class SGLangServer:
         if cfg.trust_remote_code:
             args.append("--trust-remote-code")
         env = dict(os.environ)
+        env.pop(API_KEY_ENV, None)
+        if cfg.api_key:
+            env[API_KEY_ENV] = cfg.api_key
         if needs_cpu_adaptation():
             args, env = adapt_server_for_cpu(args, env, cfg.rollout.tensor_model_parallel_size)
         else:
@@ -184,7 +191,8 @@ class SGLangServer:
         while time.monotonic() < deadline:
             self.raise_if_crashed(grace_s=0.0)
             try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                if self._session().get(self.url + "/health", timeout=5).status_code == 200:
+                    self._check_api_key()
                     return
             except requests.RequestException:
                 pass
@@ -195,6 +203,15 @@ class SGLangServer:
             f"(actor_rollout_ref.rollout.startup_timeout_s); "
             f"log {self.log_path}, last lines:\n{self.log_tail()}"
         )
+
+    def _check_api_key(self) -> None:
+        """Fail at once on a key the server refuses (its /health answers without one)."""
+        if not self.config.api_key:
+            return
+        status = self._session().get(self.url + "/model_info", timeout=30).status_code
+        if status in (401, 403):
+            raise RolloutError(f"SGLang server {self.url} refuses this job's API key (HTTP {status}): "
+                               f"{API_KEY_ENV} must be the key the server was started with")
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         try:
@@ -224,6 +241,8 @@ class SGLangServer:
         session = getattr(self._local, "session", None)
         if session is None:
             session = self._local.session = requests.Session()
+            if self.config.api_key:
+                session.headers["Authorization"] = f"Bearer {self.config.api_key}"
         return session
 
     def post(self, path: str, payload: dict[str, Any] | None = None, timeout: float | None = None) -> Any:

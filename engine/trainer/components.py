@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from engine.algo.kl import build_kl_controller
 from engine.config import ExperimentConfig, MegatronConfig, ModelConfig
+from engine.config.errors import ConfigError
 from engine.data import PromptDataLoader, PromptDataset
 from engine.models.lora import describe as describe_lora
 from engine.rewards.judge import JudgeClient
@@ -26,6 +27,7 @@ from engine.rewards.reward_model import RewardModelScorer
 from engine.rewards.spmd import reward_manager_for_this_rank
 from engine.roles import MegatronActor, MegatronCritic, MicroBatchConfig, ReferencePolicy
 from engine.rollout.base import RolloutEngine
+from engine.rollout.sglang_launch import API_KEY_ENV
 from engine.rollout.sglang_server import SGLangServer
 from engine.sync import WeightSynchronizer
 from engine.trainer.checkpoint import CheckpointManager, CheckpointTarget
@@ -35,6 +37,7 @@ from engine.trainer.rollout import RolloutAhead
 from engine.trainer.run_dir import RunDirectory
 from parallel.hybrid_engine import HybridLayout
 from parallel.offload import PARTS as OFFLOAD_PARTS
+from parallel.state import address_towards
 
 logger = logging.getLogger(__name__)
 
@@ -270,6 +273,8 @@ def _start_disaggregated_servers(cfg: ExperimentConfig, run: RunDirectory, pushe
     from engine.rollout.factory import create_rollout_engine
 
     rollout, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
+    if rollout.server_addresses:
+        return _attach_external_servers(cfg, run, pushes_weights)
     servers = rollout.num_gpus // rollout.tensor_model_parallel_size
     launch = dict(run_dir=str(run.rollout_dir), weight_transport="distributed", random_seed=cfg.trainer.seed,
                   trust_remote_code=model.trust_remote_code)
@@ -283,6 +288,33 @@ def _start_disaggregated_servers(cfg: ExperimentConfig, run: RunDirectory, pushe
     dist.broadcast_object_list(addresses, src=0)
     if pushes_weights and engine is None:
         engine = create_rollout_engine(rollout, model.path, attach_to=tuple(addresses[0]), **launch)
+    return engine
+
+
+def _attach_external_servers(cfg: ExperimentConfig, run: RunDirectory, pushes_weights: bool) -> RolloutEngine | None:
+    """Servers a launcher started on nodes of their own (``rollout.server_addresses``,
+    ``launch.rollout_servers``): rank 0 drives them as its own (generation, weight-update sessions)
+    without starting or stopping them; the weight senders of later pipeline stages push into its
+    sessions. Every request carries the job's API key; each sender's weight-update group listens on
+    this node's address on the route to the servers."""
+    from engine.rollout.factory import create_rollout_engine
+
+    rollout, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
+    api_key = os.environ.get(API_KEY_ENV)
+    if not api_key:
+        raise ConfigError(f"actor_rollout_ref.rollout.server_addresses: the servers require the job's API key in the "
+                          f"environment variable {API_KEY_ENV} (the one launch.rollout_servers started them with)")
+    if dist.get_rank() != 0 and not pushes_weights:
+        return None
+    addresses = tuple(str(address) for address in rollout.server_addresses)
+    host, port = addresses[0].rsplit(":", 1)
+    launch = dict(run_dir=str(run.rollout_dir), weight_transport="distributed", random_seed=cfg.trainer.seed,
+                  trust_remote_code=model.trust_remote_code, api_key=api_key,
+                  weight_update_master_address=address_towards(host, int(port)))
+    if dist.get_rank() != 0:
+        return create_rollout_engine(rollout, model.path, attach_to=addresses, **launch)
+    engine = create_rollout_engine(rollout, model.path, external_servers=addresses, **launch)
+    say(f"[trident] {len(addresses)} rollout server(s) on nodes of their own: {', '.join(addresses)}")
     return engine
 
 
