@@ -1,7 +1,8 @@
 """Run the Trident SPMD program on a Ray cluster: one worker per device, as torchrun would.
 
     python -m launch.ray_launcher yaml/X.yaml --num-gpus 16 [--gpus-per-node 8]
-        [--placement-strategy STRICT_PACK|PACK] [--device gpu|cpu] [--rollout-gpus K] [--dry-run] [key=value ...]
+        [--placement-strategy STRICT_PACK|PACK] [--device gpu|cpu] [--rollout-gpus K | --rollout-nodes K]
+        [--dry-run] [key=value ...]
 
 Workers are placed with a placement group: STRICT_PACK (default) makes one group per node of
 ``--gpus-per-node`` bundles, so every node is filled completely and ranks are contiguous per
@@ -19,6 +20,14 @@ else); they follow the trainer's GPUs in that node's CUDA_VISIBLE_DEVICES, where
 looks for them, and the program gets ``actor_rollout_ref.rollout.mode=disaggregated``,
 ``rollout.num_gpus=K`` and ``trainer.n_gpus_per_node``.
 
+``--rollout-nodes K`` (disaggregated rollout on nodes of their own): K more placement groups, one
+node each (a bundle of ``--gpus-per-node`` GPUs), each with one actor running
+``python -m launch.rollout_servers`` (SGLang servers on all its GPUs, on the node's address). The
+driver generates the job's API key and hands it to the servers and the trainers in their
+environment only; once every rollout node has reported its servers' addresses, the trainers start
+with ``actor_rollout_ref.rollout.mode=disaggregated`` and ``rollout.server_addresses`` set to them.
+The servers stop with the job.
+
 The cluster is the one in RAY_ADDRESS (see launch/ray/start_cluster_in_slurm.sh), or a local one.
 If any rank fails, the others are terminated and the launcher exits with that rank's status.
 """
@@ -28,19 +37,26 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import secrets
 import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
+
+from engine.rollout.sglang_launch import API_KEY_ENV
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK")
 DEVICES = ("gpu", "cpu")
 PLACEMENT_TIMEOUT_S = 300
+ROLLOUT_START_TIMEOUT_S = 3600  # an outer bound: launch.rollout_servers applies rollout.startup_timeout_s itself
 TERMINATE_GRACE_S = 10
 LOG_TAIL_LINES = 200
 
@@ -68,6 +84,7 @@ class RayLaunchConfig:
     timeout_s: float | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     rollout_gpus: int = 0
+    rollout_nodes: int = 0
 
     def validate(self) -> None:
         if self.rollout_gpus < 0:
@@ -77,7 +94,10 @@ class RayLaunchConfig:
             raise RayLaunchError(
                 f"--rollout-gpus {self.rollout_gpus} puts the servers on the trainer's node: it needs STRICT_PACK and "
                 f"--num-gpus {self.num_workers} + {self.rollout_gpus} <= --gpus-per-node {self.workers_per_node} "
-                f"(servers on nodes of their own are not built yet)")
+                f"(for servers on nodes of their own use --rollout-nodes)")
+        if self.rollout_nodes < 0 or (self.rollout_nodes and self.rollout_gpus):
+            raise RayLaunchError(f"--rollout-nodes must be >= 0 and excludes --rollout-gpus, got "
+                                 f"--rollout-nodes {self.rollout_nodes} --rollout-gpus {self.rollout_gpus}")
         if self.num_workers < 1:
             raise RayLaunchError(f"--num-gpus must be >= 1, got {self.num_workers}")
         if self.workers_per_node < 1:
@@ -113,10 +133,26 @@ class RayLaunchConfig:
         sizes[0] += self.rollout_gpus
         return [[self.bundle() for _ in range(size)] for size in sizes]
 
-    def command(self, python: str = sys.executable) -> list[str]:
-        disaggregated = ("actor_rollout_ref.rollout.mode=disaggregated", f"actor_rollout_ref.rollout.num_gpus={self.rollout_gpus}",
-                         f"trainer.n_gpus_per_node={self.num_workers}") if self.rollout_gpus else ()
+    def rollout_node_bundle(self) -> dict[str, float]:
+        """A rollout node's one bundle: all its GPUs (a CPU bundle per server with ``device="cpu"``)."""
+        if self.device == "gpu":
+            return {"CPU": self.cpus_per_worker, "GPU": float(self.workers_per_node)}
+        return {"CPU": self.cpus_per_worker}
+
+    def command(self, python: str = sys.executable, server_addresses: Sequence[str] = ()) -> list[str]:
+        disaggregated: tuple[str, ...] = ()
+        if self.rollout_gpus:
+            disaggregated = ("actor_rollout_ref.rollout.mode=disaggregated", f"actor_rollout_ref.rollout.num_gpus={self.rollout_gpus}",
+                             f"trainer.n_gpus_per_node={self.num_workers}")
+        elif self.rollout_nodes:
+            disaggregated = ("actor_rollout_ref.rollout.mode=disaggregated",
+                             f"actor_rollout_ref.rollout.server_addresses=[{','.join(server_addresses)}]")
         return [python, "-m", self.entry_module, *self.program_args, *disaggregated]
+
+    def rollout_servers_command(self, address_file: str, log_dir: str, python: str = sys.executable) -> list[str]:
+        """What each rollout node runs."""
+        return [python, "-m", "launch.rollout_servers", *self.program_args, "--address-file", address_file,
+                "--log-dir", log_dir]
 
 
 @dataclass(frozen=True)
@@ -217,6 +253,27 @@ class SpmdWorker:
             if log:
                 log.close()
 
+    def start_rollout_servers(self, command: list[str], env: dict[str, str], cwd: str, address_file: str,
+                              log_path: str, timeout_s: float) -> list[str]:
+        """Start ``launch.rollout_servers`` (``command``) as this actor's child and return the
+        addresses it writes to ``address_file`` (on this node) once its servers answer; the child
+        keeps running until ``terminate``. Raises when it exits first or ``timeout_s`` passes."""
+        with self._lock:
+            if self._terminated:
+                raise RuntimeError("terminated before start")
+            with open(log_path, "a") as log:
+                self._process = subprocess.Popen(command, env={**os.environ, **env}, cwd=cwd, stdout=log,
+                                                 stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(address_file):
+            if self._process.poll() is not None:
+                raise RuntimeError(f"launch.rollout_servers exited with {self._process.returncode}; log {log_path}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"launch.rollout_servers was not ready after {timeout_s:.0f} s; log {log_path}")
+            time.sleep(1.0)
+        with open(address_file) as addresses:
+            return addresses.read().split()
+
     def terminate(self) -> None:
         """Stop the child's process group: SIGTERM, then SIGKILL after a grace period."""
         with self._lock:
@@ -247,6 +304,11 @@ def dry_run_lines(config: RayLaunchConfig, python: str = sys.executable) -> list
     if config.rollout_gpus:
         lines.append(f"placement_group 0: the last {config.rollout_gpus} bundles hold the rollout servers' GPUs, "
                      f"listed after the trainer's in that node's CUDA_VISIBLE_DEVICES")
+    for index in range(config.rollout_nodes):
+        node = len(groups) + index
+        lines.append(f"placement_group {node}: strategy=STRICT_PACK bundles={[config.rollout_node_bundle()]}")
+        lines.append(f"rollout node {index} on <node of group {node}>: {API_KEY_ENV}=<generated for this job> "
+                     + shlex.join(config.rollout_servers_command("<node-local addresses file>", "<node-local logs>", python)))
     rank = 0
     for group_index, bundles in enumerate(groups):
         ranks_here = len(bundles) - (config.rollout_gpus if group_index == 0 else 0)
@@ -266,7 +328,9 @@ def dry_run_lines(config: RayLaunchConfig, python: str = sys.executable) -> list
             if config.device == "gpu":
                 env["CUDA_VISIBLE_DEVICES"] = "<this job's GPUs on the node>"
             assignments = " ".join(f"{key}={shlex.quote(str(value))}" for key, value in env.items())
-            lines.append(f"rank {rank} on {node}: {assignments} {shlex.join(config.command(python))}")
+            addresses = ["<the rollout nodes' servers>"] if config.rollout_nodes else []
+            secret = f" {API_KEY_ENV}=<generated for this job>" if config.rollout_nodes else ""
+            lines.append(f"rank {rank} on {node}: {assignments}{secret} {shlex.join(config.command(python, addresses))}")
             rank += 1
     return lines
 
@@ -280,19 +344,38 @@ def launch(config: RayLaunchConfig) -> int:
     from engine.rewards.ray_pool import ensure_ray_initialized
 
     config.validate()
-    ensure_ray_initialized(num_cpus=max(1, int(config.num_workers * config.cpus_per_worker + 0.999)))
+    cpus = (config.num_workers + config.rollout_nodes) * config.cpus_per_worker
+    ensure_ray_initialized(num_cpus=max(1, int(cpus + 0.999)))
     groups = [placement_group(bundles, strategy=config.placement_strategy) for bundles in config.placement_groups()]
+    # One group per rollout node, after the trainers' (STRICT_PACK keeps each on one node).
+    rollout_groups = [placement_group([config.rollout_node_bundle()], strategy="STRICT_PACK")
+                      for _ in range(config.rollout_nodes)]
     workers: list = []
     holders: list = []  # idle actors holding the rollout servers' GPUs: the last bundles of group 0
+    rollout_nodes: list = []  # one actor per rollout node, running launch.rollout_servers
     try:
-        ready, _ = ray.wait([group.ready() for group in groups], num_returns=len(groups), timeout=PLACEMENT_TIMEOUT_S)
-        if len(ready) < len(groups):
+        every_group = groups + rollout_groups
+        ready, _ = ray.wait([group.ready() for group in every_group], num_returns=len(every_group),
+                            timeout=PLACEMENT_TIMEOUT_S)
+        if len(ready) < len(every_group):
             raise RayLaunchError(
                 f"the Ray cluster could not place {config.num_workers} workers x {config.bundle()} "
-                f"({config.placement_strategy}, {config.workers_per_node} per node) within {PLACEMENT_TIMEOUT_S} s; "
+                f"({config.placement_strategy}, {config.workers_per_node} per node) and {config.rollout_nodes} "
+                f"rollout node(s) x {config.rollout_node_bundle()} within {PLACEMENT_TIMEOUT_S} s; "
                 f"available: {ray.available_resources()} (see `ray status`)"
             )
         actor_class = ray.remote(SpmdWorker)
+        pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+        secret_env = {}
+        server_addresses: list[str] = []
+        if rollout_groups:
+            secret_env = {API_KEY_ENV: secrets.token_hex(32)}  # this job's; in environments only
+            rollout_nodes = [actor_class.options(
+                num_cpus=config.cpus_per_worker, num_gpus=config.rollout_node_bundle().get("GPU", 0), max_concurrency=2,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)).remote()
+                for group in rollout_groups]
+            server_addresses = _start_rollout_nodes(config, rollout_nodes, {**config.extra_env, **secret_env,
+                                                                            "PYTHONPATH": pythonpath})
         for group_index, group in enumerate(groups):
             for bundle_index in range(group.bundle_count):
                 held = group_index == 0 and bundle_index >= group.bundle_count - config.rollout_gpus
@@ -316,18 +399,43 @@ def launch(config: RayLaunchConfig) -> int:
         environments = rank_environments(placements, port, rollout)
         if config.log_dir:
             Path(config.log_dir).mkdir(parents=True, exist_ok=True)
-        pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
         runs = {}
         for worker, env in zip(workers, environments):
             log_path = str(Path(config.log_dir) / f"rank-{env['RANK']}.log") if config.log_dir else None
-            env = {**config.extra_env, **env, "PYTHONPATH": pythonpath}
-            runs[worker.run.remote(config.command(), env, os.getcwd(), log_path)] = env["RANK"]
+            env = {**config.extra_env, **env, **secret_env, "PYTHONPATH": pythonpath}
+            runs[worker.run.remote(config.command(server_addresses=server_addresses), env, os.getcwd(), log_path)] = env["RANK"]
         return _wait_for_ranks(runs, workers, config.timeout_s)
     finally:
-        for worker in workers + holders:
+        if rollout_nodes:
+            ray.get([node.terminate.remote() for node in rollout_nodes])
+        for worker in workers + holders + rollout_nodes:
             ray.kill(worker)
-        for group in groups:
+        for group in groups + rollout_groups:
             remove_placement_group(group)
+
+
+def _start_rollout_nodes(config: RayLaunchConfig, nodes: list, env: dict[str, str]) -> list[str]:
+    """Start launch.rollout_servers on every rollout node; their servers' addresses, in node order."""
+    import ray
+
+    job = uuid.uuid4().hex[:8]
+    log_dir = Path(config.log_dir) if config.log_dir else Path(tempfile.gettempdir()) / f"trident-rollout-{job}"
+    calls = []
+    for index, node in enumerate(nodes):
+        # The address file is on the rollout node's own disk; the actor reads it there.
+        local = f"{tempfile.gettempdir()}/trident-rollout-{job}/node{index}"
+        server_logs = str(log_dir / f"rollout-node-{index}") if config.log_dir else f"{local}/logs"
+        command = config.rollout_servers_command(f"{local}/addresses", server_logs)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        calls.append(node.start_rollout_servers.remote(command, env, os.getcwd(), f"{local}/addresses",
+                                                       str(log_dir / f"rollout-node-{index}.log"), ROLLOUT_START_TIMEOUT_S))
+    try:
+        addresses = [address for found in ray.get(calls) for address in found]
+    except ray.exceptions.RayTaskError as error:
+        raise RayLaunchError(f"the rollout servers did not start: {error.cause}") from None
+    print(f"[ray_launcher] {len(addresses)} rollout server(s) on {len(nodes)} node(s) of their own: {', '.join(addresses)}",
+          flush=True)
+    return addresses
 
 
 def _wait_for_ranks(runs: dict, workers: list, timeout_s: float | None) -> int:
@@ -373,6 +481,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[RayLaunchConfig, bool]:
     parser.add_argument("--timeout-s", type=float, default=None, help="stop all ranks after this long (exit 124)")
     parser.add_argument("--rollout-gpus", type=int, default=0,
                         help="disaggregated rollout: GPUs of the trainer's node reserved for the SGLang servers")
+    parser.add_argument("--rollout-nodes", type=int, default=0,
+                        help="disaggregated rollout: nodes of their own (--gpus-per-node GPUs each) for the SGLang servers")
     parser.add_argument("--dry-run", action="store_true", help="print the placement and the per-rank commands, run nothing")
     args = parser.parse_intermixed_args(argv)
     config = RayLaunchConfig(
@@ -387,6 +497,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[RayLaunchConfig, bool]:
         timeout_s=args.timeout_s,
         extra_env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
         rollout_gpus=args.rollout_gpus,
+        rollout_nodes=args.rollout_nodes,
     )
     return config, args.dry_run
 

@@ -37,3 +37,27 @@ def test_two_cpu_workers_run_the_same_program_and_a_failure_stops_the_job(tmp_pa
     # rank 1 exits 3 before joining; rank 0 would wait in the rendezvous: the launcher stops it
     failing = RayLaunchConfig(**{**config.__dict__, "program_args": ("yaml/demo_cpu.yaml", f"out={out}", "fail_rank=1")})
     assert launch(failing) == 3
+
+
+@pytest.mark.slow
+def test_rollout_servers_on_a_node_of_their_own(tmp_path, local_ray):
+    """--rollout-nodes 1: a rollout-node actor starts launch.rollout_servers, the trainers attach to
+    its server by address with the key the launcher generated (in no command line or log)."""
+    pytest.importorskip("sglang")
+    run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    config = RayLaunchConfig(
+        program_args=("yaml/demo_cpu.yaml", "actor_rollout_ref.rollout.name=sglang",
+                      "actor_rollout_ref.rollout.gpu_memory_utilization=0.05", "actor_rollout_ref.rollout.check_weight_sync=true",
+                      "trainer.total_training_steps=2", f"trainer.default_local_dir={run_dir}", "trainer.test_freq=-1",
+                      "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.export_hf_at_end=false"),
+        num_workers=2, workers_per_node=2, device="cpu", log_dir=str(logs), timeout_s=600, rollout_nodes=1,
+        extra_env={"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"})
+    assert launch(config) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(row["rollout/log_prob_abs_diff"] < 1e-4 for row in rows)  # the broadcast weights arrived
+    rank0 = (logs / "rank-0.log").read_text()
+    assert "rollout server(s) on nodes of their own" in rank0
+    assert "rollout server(s) ready" in (logs / "rollout-node-0.log").read_text()
+    server_log = (logs / "rollout-node-0" / "sglang_server0.log").read_text()
+    assert "'api_key': '<redacted>'" in server_log and "POST /update_weights_from_distributed" in server_log
