@@ -116,6 +116,9 @@ MATRICES: dict[str, list[Case]] = {
 # CPU: the quick cases, then layouts, bf16 and the SGLang engine on the same workload (2 cores: the
 # multi-rank cases share them, so they show overhead, not speed-up).
 MATRICES["cpu"] = MATRICES["quick"] + [
+    # The schema's layout: THD-packed rows (a dense block mask on CPU; the demo runs left-aligned rows).
+    Case("trident-tiny-packed", "trident", **_TINY, baseline="plain-tiny",
+         overrides=("actor_rollout_ref.model.use_remove_padding=true",)),
     Case("trident-tiny-bf16", "trident", **{**_TINY, "dtype": "bfloat16"}, baseline="plain-tiny"),
     Case("trident-tiny-dp2", "trident", **_TINY, ranks=2, baseline="trident-tiny"),
     Case("trident-tiny-tp2", "trident", **_TINY, ranks=2, tp=2, baseline="trident-tiny"),

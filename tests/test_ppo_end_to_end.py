@@ -100,8 +100,10 @@ def test_moe_with_expert_parallelism_trains_like_ep1_and_resumes(demo_model, tmp
         model_type="qwen3_moe", vocab_size=len(build_char_tokenizer()), hidden_size=64, intermediate_size=128,
         moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=False), tmp_path / "moe")
-    # The actor adds the load-balancing loss, the critic only reports it.
-    common = [f"actor_rollout_ref.model.path={model}", "trainer.save_freq=2", "trainer.test_freq=-1",
+    # The actor adds the load-balancing loss, the critic only reports it. Packed rows (the schema's
+    # layout, which the demo file turns off for speed): the tolerances below were measured with them.
+    common = [f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.model.use_remove_padding=true",
+              "trainer.save_freq=2", "trainer.test_freq=-1",
               "trainer.val_before_train=false", "actor_rollout_ref.rollout.check_weight_sync=true",
               "actor_rollout_ref.actor.megatron.moe_aux_loss_coeff=0.01"]
     ep1, ep2 = tmp_path / "ep1", tmp_path / "ep2"

@@ -24,11 +24,11 @@ def schema_default(path: str):
 
 
 def test_bf16_ppo_with_the_memory_hand_off_in_order(demo_model, tmp_path):
-    # The schema's own defaults, written out because yaml/demo_cpu.yaml pins fp32 for speed on CPU.
-    # (The critic's precision and optimizer default to the actor's.)
+    # The schema's own defaults, written out because yaml/demo_cpu.yaml pins fp32 and left-aligned
+    # rows for speed on CPU. (The critic's precision, optimizer and layout default to the actor's.)
     defaults = {key: schema_default(key) for key in (
         "actor_rollout_ref.actor.megatron.param_dtype", "actor_rollout_ref.rollout.dtype",
-        "actor_rollout_ref.actor.megatron.use_distributed_optimizer")}
+        "actor_rollout_ref.actor.megatron.use_distributed_optimizer", "actor_rollout_ref.model.use_remove_padding")}
     assert set(defaults.values()) == {"bfloat16", True}
     defaults.update({"critic.megatron.param_dtype": "bfloat16", "critic.megatron.use_distributed_optimizer": True})
     out, run_dir = tmp_path / "calls.json", tmp_path / "run"
