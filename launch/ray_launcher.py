@@ -406,8 +406,9 @@ def launch(config: RayLaunchConfig) -> int:
             runs[worker.run.remote(config.command(server_addresses=server_addresses), env, os.getcwd(), log_path)] = env["RANK"]
         return _wait_for_ranks(runs, workers, config.timeout_s)
     finally:
-        if rollout_nodes:
-            ray.get([node.terminate.remote() for node in rollout_nodes])
+        if rollout_nodes:  # stop the servers gracefully (a lost node's actor just fails to answer)
+            ray.wait([node.terminate.remote() for node in rollout_nodes], num_returns=len(rollout_nodes),
+                     timeout=TERMINATE_GRACE_S + 5)
         for worker in workers + holders + rollout_nodes:
             ray.kill(worker)
         for group in groups + rollout_groups:
