@@ -134,7 +134,7 @@ class RayLaunchConfig:
         return [[self.bundle() for _ in range(size)] for size in sizes]
 
     def rollout_node_bundle(self) -> dict[str, float]:
-        """A rollout node's one bundle: all its GPUs (a CPU bundle per server with ``device="cpu"``)."""
+        """A rollout node's one bundle: all its GPUs (CPU only with ``device="cpu"``, where the node runs one server)."""
         if self.device == "gpu":
             return {"CPU": self.cpus_per_worker, "GPU": float(self.workers_per_node)}
         return {"CPU": self.cpus_per_worker}
@@ -421,13 +421,13 @@ def _start_rollout_nodes(config: RayLaunchConfig, nodes: list, env: dict[str, st
 
     job = uuid.uuid4().hex[:8]
     log_dir = Path(config.log_dir) if config.log_dir else Path(tempfile.gettempdir()) / f"trident-rollout-{job}"
+    log_dir.mkdir(parents=True, exist_ok=True)
     calls = []
     for index, node in enumerate(nodes):
         # The address file is on the rollout node's own disk; the actor reads it there.
         local = f"{tempfile.gettempdir()}/trident-rollout-{job}/node{index}"
         server_logs = str(log_dir / f"rollout-node-{index}") if config.log_dir else f"{local}/logs"
         command = config.rollout_servers_command(f"{local}/addresses", server_logs)
-        log_dir.mkdir(parents=True, exist_ok=True)
         calls.append(node.start_rollout_servers.remote(command, env, os.getcwd(), f"{local}/addresses",
                                                        str(log_dir / f"rollout-node-{index}.log"), ROLLOUT_START_TIMEOUT_S))
     try:

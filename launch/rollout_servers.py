@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-EXIT_USER_ERROR = 2
+from launch.main import EXIT_USER_ERROR
 
 
 def default_host() -> str:

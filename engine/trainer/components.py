@@ -273,11 +273,11 @@ def _start_disaggregated_servers(cfg: ExperimentConfig, run: RunDirectory, pushe
     from engine.rollout.factory import create_rollout_engine
 
     rollout, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
-    if rollout.server_addresses:
-        return _attach_external_servers(cfg, run, pushes_weights)
-    servers = rollout.num_gpus // rollout.tensor_model_parallel_size
     launch = dict(run_dir=str(run.rollout_dir), weight_transport="distributed", random_seed=cfg.trainer.seed,
                   trust_remote_code=model.trust_remote_code)
+    if rollout.server_addresses:
+        return _attach_external_servers(cfg, launch, pushes_weights)
+    servers = rollout.num_gpus // rollout.tensor_model_parallel_size
     engine, addresses = None, [None]
     if dist.get_rank() == 0:
         engine = create_rollout_engine(rollout, model.path, replica_gpus=_server_gpus(rollout, servers),
@@ -291,12 +291,13 @@ def _start_disaggregated_servers(cfg: ExperimentConfig, run: RunDirectory, pushe
     return engine
 
 
-def _attach_external_servers(cfg: ExperimentConfig, run: RunDirectory, pushes_weights: bool) -> RolloutEngine | None:
+def _attach_external_servers(cfg: ExperimentConfig, launch: dict[str, Any], pushes_weights: bool) -> RolloutEngine | None:
     """Servers a launcher started on nodes of their own (``rollout.server_addresses``,
     ``launch.rollout_servers``): rank 0 drives them as its own (generation, weight-update sessions)
     without starting or stopping them; the weight senders of later pipeline stages push into its
     sessions. Every request carries the job's API key; each sender's weight-update group listens on
-    this node's address on the route to the servers."""
+    this node's address on the route to the servers. ``launch``: the engine settings every
+    disaggregated engine shares."""
     from engine.rollout.factory import create_rollout_engine
 
     rollout, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
@@ -308,9 +309,7 @@ def _attach_external_servers(cfg: ExperimentConfig, run: RunDirectory, pushes_we
         return None
     addresses = tuple(str(address) for address in rollout.server_addresses)
     host, port = addresses[0].rsplit(":", 1)
-    launch = dict(run_dir=str(run.rollout_dir), weight_transport="distributed", random_seed=cfg.trainer.seed,
-                  trust_remote_code=model.trust_remote_code, api_key=api_key,
-                  weight_update_master_address=address_towards(host, int(port)))
+    launch = dict(launch, api_key=api_key, weight_update_master_address=address_towards(host, int(port)))
     if dist.get_rank() != 0:
         return create_rollout_engine(rollout, model.path, attach_to=addresses, **launch)
     engine = create_rollout_engine(rollout, model.path, external_servers=addresses, **launch)
