@@ -38,6 +38,7 @@ import uuid
 from pathlib import Path
 
 from benchmarks.suite import REPO_ROOT, Case, machine_info, prepare_workload, trident_command
+from engine.rollout.sglang_server import SERVER_MODULE
 
 MARKER = "TRIDENT_ASYNC_ROLLOUT_JOB"
 DISAGGREGATED = ("actor_rollout_ref.rollout.mode=disaggregated", "actor_rollout_ref.rollout.num_gpus=1")
@@ -67,7 +68,7 @@ def _pin_servers(marker: str, cpus: set[int], stop: threading.Event, pinned: set
             try:
                 group = os.getpgid(pid)
                 launcher = (Path(f"/proc/{group}/cmdline").read_bytes() if group != os.getpgid(0) else b"")
-                if b"sglang.launch_server" not in launcher:
+                if SERVER_MODULE.encode() not in launcher:
                     continue
                 for task in Path(f"/proc/{pid}/task").iterdir():
                     os.sched_setaffinity(int(task.name), cpus)

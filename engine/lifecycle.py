@@ -33,7 +33,18 @@ def start_reaper() -> subprocess.Popen:
         own_group = os.getpgid(0) if os.getpgid(0) == os.getpid() else 0
         _REAPER = subprocess.Popen([sys.executable, "-m", "engine.lifecycle", str(os.getpid()), str(own_group)],
                                    stdin=subprocess.PIPE, text=True, start_new_session=True)
+        os.register_at_fork(after_in_child=_let_go_of_the_reaper)
     return _REAPER
+
+
+def _let_go_of_the_reaper() -> None:
+    """In a process forked from the rank (dist-checkpointing's writers, its results Manager on CPU):
+    close the child's copy of the reaper's pipe, or the pipe would stay open after the rank died and
+    the reaper would wait for that child instead of killing it with the rank's group."""
+    global _REAPER
+    if _REAPER is not None and _REAPER.stdin is not None:
+        _REAPER.stdin.close()
+    _REAPER = None
 
 
 def watch_process_group(pgid: int) -> None:

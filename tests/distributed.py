@@ -74,3 +74,17 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     import json
 
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def processes_with(marker: str) -> dict[int, str]:
+    """Running processes whose environment holds ``marker`` (e.g. ``NAME=<uuid>`` set for one test's
+    job), wherever they were reparented: pid -> the start of its command line. Other tests' processes,
+    running beside this one under pytest-xdist, do not carry it."""
+    found = {}
+    for folder in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker.encode() in (folder / "environ").read_bytes():
+                found[int(folder.name)] = (folder / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+        except OSError:
+            continue
+    return found

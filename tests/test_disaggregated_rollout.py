@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from engine.rollout.sglang_server import SERVER_MODULE
 from engine.sync import expected_log_prob_gap
 from parallel.state import find_free_port
 from tests.distributed import REPO_ROOT, read_metrics, run_main_job
@@ -74,7 +75,7 @@ def server_pids(log_text: str) -> list[int]:
                 command = open(f"/proc/{folder.name}/cmdline", "rb").read().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if "sglang.launch_server" in command and f"--port {port} " in command:
+            if SERVER_MODULE in command and f"--port {port} " in command:
                 pids.append(int(folder.name))
     return pids
 

@@ -19,32 +19,41 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import REPO_ROOT
+from engine.rollout.sglang_server import SERVER_MODULE
+from tests.distributed import REPO_ROOT, processes_with
 from tests.rollout_support import SGLANG_MARKS
 
 pytestmark = [pytest.mark.dist, *SGLANG_MARKS]
 
 
-def processes_with(marker: str) -> dict[int, str]:
-    found = {}
-    for folder in Path("/proc").glob("[0-9]*"):
-        try:
-            if marker.encode() in (folder / "environ").read_bytes():
-                found[int(folder.name)] = (folder / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
-        except OSError:
-            continue
-    return found
+def parent_pid(pid: int) -> int | None:
+    try:  # "pid (comm) state ppid ...": comm may contain spaces, so split after the ')'
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def rank_processes(marker: str) -> dict[int, int]:
+    """pid -> rank of the job's ranks: ``launch.main`` processes started by torchrun's agent (not
+    the processes a rank forks, such as dist-checkpointing's results Manager on CPU)."""
+    processes = processes_with(marker)
+
+    def runs_a_rank(command: str) -> bool:
+        return "launch.main" in command and "torch.distributed.run" not in command
+
+    ranks = {}
+    for pid, command in processes.items():
+        if runs_a_rank(command) and not runs_a_rank(processes.get(parent_pid(pid), "")):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            ranks.update({pid: int(entry[5:]) for entry in environ if entry.startswith(b"RANK=")})
+    return ranks
 
 
 def rank_pid(marker: str, rank: int) -> int | None:
-    for pid, command in processes_with(marker).items():
-        if "launch.main" in command and "torch" not in command.split()[1:3]:
-            try:
-                if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                    return pid
-            except OSError:
-                continue
-    return None
+    return next((pid for pid, number in rank_processes(marker).items() if number == rank), None)
 
 
 def test_a_killed_rank_leaves_no_process_behind(demo_model, tmp_path):
@@ -65,8 +74,13 @@ def test_a_killed_rank_leaves_no_process_behind(demo_model, tmp_path):
         started = processes_with(marker)
         commands = " ".join(started.values())
         # What a rank starts is there: SGLang servers, Ray, the checkpoint writer, the reapers.
-        assert "sglang.launch_server" in commands and "ray" in commands, commands
-        assert "multiprocessing.spawn" in commands and "engine.lifecycle" in commands, commands
+        assert SERVER_MODULE in commands and "ray" in commands, commands
+        assert "engine.lifecycle" in commands, commands
+        # dist-checkpointing's results Manager: spawned on GPUs, forked from its rank on CPU
+        # (parallel/cpu_compat.py, item 9), so it runs the rank's command line under the rank.
+        ranks = rank_processes(marker)
+        managers = [pid for pid, command in started.items() if parent_pid(pid) in ranks and "launch.main" in command]
+        assert len(ranks) == 2 and len(managers) == 2, (ranks, started)
         os.kill(rank_pid(marker, 1), signal.SIGKILL)
         output = job.communicate(timeout=300)[0]
     finally:

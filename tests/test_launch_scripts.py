@@ -14,6 +14,7 @@ import pytest
 
 from launch.ray_launcher import RayLaunchConfig, RayLaunchError, WorkerPlacement, dry_run_lines, rank_environments
 from launch.slurm.hostlist import HostlistError, expand_hostlist
+from tests.distributed import processes_with
 
 REPO = Path(__file__).resolve().parent.parent
 YAML = "yaml/llama3-70b_ppo_8node.yaml"
@@ -240,18 +241,7 @@ def test_slurm_rollout_nodes_run_for_real_with_a_stand_in_srun(tmp_path):
     assert f"rollout server(s) on nodes of their own: {addresses[0]}" in logs
     server_log = (run_dir / "rollout" / "localhost" / "sglang_server0.log").read_text()
     assert "'api_key': '<redacted>'" in server_log
-    deadline = time.monotonic() + 60  # the servers stop with the job
-    while _processes_running("launch.rollout_servers", "sglang.launch_server", "engine.rollout.sglang_launch"):
-        assert time.monotonic() < deadline
+    deadline = time.monotonic() + 60  # the servers stop with the job: nothing of this job is left
+    while processes_with(f"TRIDENT_RUN_ROOT={tmp_path}\0"):
+        assert time.monotonic() < deadline, processes_with(f"TRIDENT_RUN_ROOT={tmp_path}\0")
         time.sleep(1)
-
-
-def _processes_running(*needles: str) -> bool:
-    for pid in os.listdir("/proc"):
-        try:
-            command = open(f"/proc/{pid}/cmdline", "rb").read() if pid.isdigit() else b""
-        except OSError:
-            continue
-        if any(needle.encode() in command for needle in needles):
-            return True
-    return False

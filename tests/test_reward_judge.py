@@ -15,10 +15,10 @@ import pytest
 
 from engine.config.reward_model import JudgeConfig, JudgeModelConfig
 from engine.rewards.judge import JudgeClient, JudgeError, conversation_text
+from engine.rollout.sglang_server import SERVER_MODULE
 from parallel.state import find_free_port
-from tests.distributed import REPO_ROOT, read_metrics
+from tests.distributed import REPO_ROOT, processes_with, read_metrics
 from tests.rollout_support import requires_sglang
-from tests.test_failure_cleanup import processes_with
 
 
 def test_judge_reply_parsing_and_a_dead_endpoint():
@@ -58,9 +58,10 @@ def test_a_judge_that_dies_mid_run_stops_the_run_with_a_clear_error(demo_model, 
         [sys.executable, "-m", "launch.cli", "yaml/demo_cpu.yaml", f"trainer.default_local_dir={run_dir}",
          "trainer.total_training_steps=30", "trainer.test_freq=-1", "trainer.val_before_train=false",
          "trainer.save_freq=-1", "reward_model.judge.enable=true", f"reward_model.judge.model.path={judge_dir}",
-         "reward_model.judge.model.dtype=float32", "reward_model.judge.prompt_template='{response} {prompt}'",
-         # the question last: the demo model answers it with a number (with the response last, this
-         # machine's demo model ended 6 of 64 replies at once, an unscorable '')
+         "reward_model.judge.model.dtype=float32", "reward_model.judge.prompt_template='Calculate {response} + 1.'",
+         # a question of the kind the demo model was trained on: it answers with a number. Measured on
+         # 1,280 responses the demo model sampled: 0 replies without a number; '{response} {prompt}'
+         # gave 7 (an empty reply stops step 1 at a rate of ~30%, before the kill this test is about)
          "reward_model.judge.max_score=200", "reward_model.judge.max_tokens=4", "reward_model.judge.timeout_s=20",
          "reward_model.judge.max_retries=1"],
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -99,7 +100,7 @@ def _is_judge_server(pid: int, judge_dir) -> bool:
         command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return False
-    return "sglang.launch_server" in command and str(judge_dir) in command
+    return SERVER_MODULE in command and str(judge_dir) in command
 
 
 def _rows(run_dir):

@@ -1,4 +1,4 @@
-"""Rollout on real SGLang servers: one supervised ``sglang.launch_server`` per generation replica.
+"""Rollout on real SGLang servers: one supervised SGLang server per generation replica.
 
 Requests go out concurrently (one HTTP request per prompt, ``n`` samples each, spread round-robin
 over the replicas) so each server can batch them. Weights are pushed bucket by bucket inside a

@@ -1,4 +1,5 @@
-"""Start, watch and stop one ``python -m sglang.launch_server`` process (one generation replica).
+"""Start, watch and stop one SGLang server process (one generation replica): ``sglang.launch_server``
+through ``engine.rollout.sglang_launch`` (the API key from the environment, forked children on CPU).
 
 The server runs in its own process group (its scheduler and detokenizer are children), logs to a
 file in the run directory, and the whole group is killed on ``stop()`` and at interpreter exit.
@@ -28,6 +29,8 @@ from engine.rollout.sglang_cpu import adapt_server_for_cpu, needs_cpu_adaptation
 from engine.rollout.sglang_launch import API_KEY_ENV
 from parallel.state import find_free_port
 
+# `python -m` this module starts a server (and is what `ps` shows for one).
+SERVER_MODULE = "engine.rollout.sglang_launch"
 LOG_TAIL_LINES = 30
 # The setting that bounds each request, named when it times out (control and weight requests use
 # the weight-update timeout).
@@ -131,7 +134,7 @@ class SGLangServer:
         """The server command line and environment (plain SGLang on GPU, CPU additions otherwise)."""
         cfg = self.config
         args = [
-            cfg.python_executable, "-m", "engine.rollout.sglang_launch" if cfg.api_key else "sglang.launch_server",
+            cfg.python_executable, "-m", SERVER_MODULE,
             "--model-path", str(cfg.model_path),
             "--host", cfg.host,
             "--port", str(self.port),
@@ -281,8 +284,12 @@ class SGLangServer:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM the process group, SIGKILL what is left after ``timeout_s``."""
+    def stop(self, grace_s: float = 1.0, timeout_s: float = 15.0) -> None:
+        """SIGTERM the process group, SIGKILL what is left after ``grace_s``; returns once nothing of
+        it runs (at most ``timeout_s`` more). SGLang's own SIGTERM path never takes less than ~4 s
+        (its exit watchdog polls every 5 s; a scheduler that ends first makes the launcher sleep 5 s
+        before crash diagnostics: measured 5.2-5.8 s on an idle server), time in which a stopped
+        server serves nothing; the process group and its memory go either way."""
         if self.process is None:
             return
         try:
@@ -290,7 +297,7 @@ class SGLangServer:
         except (ProcessLookupError, PermissionError):
             pass
         try:
-            self.process.wait(timeout=timeout_s)
+            self.process.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             pass
         # Children (scheduler, detokenizer) may outlive the launcher: kill the group regardless,
