@@ -46,9 +46,11 @@ demo: $(STAMP_BASE)
 	$(PY) -m launch.prepare_demo_model
 	$(VENV)/bin/trident yaml/demo_cpu.yaml $(ARGS)
 
-# pytest exits 5 when it collected no test; make treats any non-zero exit as failure.
+# pytest exits 5 when it collected no test; make treats any non-zero exit as failure. Two xdist
+# workers: most tests wait on process start-up, servers and sockets, so two at once keep both cores
+# busy; tests sharing a module-scoped fixture stay on one worker (tests/conftest.py).
 test: $(STAMP_BASE) $(STAMP_SGLANG) $(STAMP_TRL)
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -n 2 --dist loadgroup
 
 clean-venv:
 	rm -rf $(VENV)

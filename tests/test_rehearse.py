@@ -12,6 +12,7 @@ import transformers
 
 from engine.config import load_config
 from engine.models.hf_config import architecture_from_hf
+from launch import prepare_smollm2_example
 from launch.plan import KNOWN_ARCHITECTURES
 from launch.rehearse import _generation_tp, plan_rehearsal, tiny_model_config, write_tiny_model
 from launch.rehearse import rehearse as plan_only
@@ -19,10 +20,6 @@ from tests.distributed import REPO_ROOT
 from tests.rollout_support import SGLANG_MARKS
 
 EXPERIMENTS = sorted(str(path.relative_to(REPO_ROOT)) for path in (REPO_ROOT / "yaml").glob("*.yaml"))
-
-
-def uses_sglang(experiment: str) -> bool:
-    return load_config(REPO_ROOT / experiment).actor_rollout_ref.rollout.name == "sglang"
 
 
 @pytest.mark.parametrize("written_tg, written_tp, tp, pp, expected", [
@@ -124,6 +121,8 @@ def test_missing_data_without_a_stand_in_is_a_config_error(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+# Experiments whose (small) prompt files a preparation command writes, as their headers say.
+EXAMPLE_DATA = {"yaml/smollm2-135m_chain_sum_cpu.yaml": prepare_smollm2_example.prepare_data}
 # Rehearsal configs already run and passed, by their text with the run's own names and paths removed.
 _PASSED: dict[str, str] = {}
 
@@ -134,19 +133,31 @@ def rehearse(experiment: str, out_dir: Path, *args: str) -> subprocess.Completed
 
 
 def rehearsal_identity(out_dir: Path) -> str:
-    """The rehearsal's config without what only names the run (experiment name, its folders)."""
+    """The rehearsal's config without what only names the run (experiment name, its folders), and
+    its tiny model's config.json: two experiments of one layout on different model families (the
+    Llama and the Qwen2.5 LoRA recipes) are different rehearsals."""
     text = (out_dir / "rehearsal.yaml").read_text().replace(str(out_dir), "<out>")
-    return "\n".join(line for line in text.splitlines() if not line.strip().startswith("experiment_name:"))
+    config = "\n".join(line for line in text.splitlines() if not line.strip().startswith("experiment_name:"))
+    return f"{config}\n{(out_dir / 'model' / 'config.json').read_text()}"
+
+
+def marks(experiment: str) -> list:
+    """SGLang's marks where it uses SGLang; experiments of one model share an xdist worker, in file
+    order, so a rehearsal identical to one already passed (below) is found there."""
+    config = load_config(REPO_ROOT / experiment)
+    same_model = pytest.mark.xdist_group(f"rehearse:{config.actor_rollout_ref.model.path}")
+    return [same_model, *(SGLANG_MARKS if config.actor_rollout_ref.rollout.name == "sglang" else [])]
 
 
 @pytest.mark.slow
 @pytest.mark.dist
-@pytest.mark.parametrize("experiment", [
-    pytest.param(name, marks=SGLANG_MARKS if uses_sglang(name) else []) for name in EXPERIMENTS])
+@pytest.mark.parametrize("experiment", [pytest.param(name, marks=marks(name)) for name in EXPERIMENTS])
 def test_every_experiment_rehearses(experiment, demo_model, tmp_path, monkeypatch):
     """Each file's rehearsal runs, unless an identical rehearsal already passed in this session: the
     8- and 16-node recipes of a model differ in sizes that the rehearsal caps (PP 8 vs 4, VPP 2 vs 5,
     DP 1 vs 4 all become 2, 2, 1), so their rehearsal configs are byte-identical but for the name."""
+    if experiment in EXAMPLE_DATA:  # prompts a user makes with one command before the run
+        EXAMPLE_DATA[experiment]()
     # Planned in this process (the CLI's --dry-run, without a fresh interpreter's imports).
     monkeypatch.chdir(REPO_ROOT)
     plan_only(experiment, [], steps=2, max_ranks=4, out_dir=tmp_path, timeout_s=0, dry_run=True)

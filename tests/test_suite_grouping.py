@@ -1,0 +1,65 @@
+"""`make test` runs two pytest-xdist workers; tests/conftest.py keeps a module's tests that share a
+module-scoped fixture on one worker (the fixture is built once), and spreads the rest. Checked on a
+throw-away suite run the way `make test` runs this one."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.distributed import REPO_ROOT
+
+SHARED = '''
+import json, os, pytest
+
+@pytest.fixture(scope="module")
+def built_once(tmp_path_factory):
+    return os.environ["PYTEST_XDIST_WORKER"]
+
+@pytest.mark.parametrize("index", range(6))
+def test_shares(built_once, index):
+    worker = os.environ["PYTEST_XDIST_WORKER"]
+    with open(os.environ["GROUPING_LOG"], "a") as log:
+        log.write(json.dumps({"test": "shared", "index": index, "worker": worker, "fixture_worker": built_once}) + "\\n")
+'''
+FREE = '''
+import json, os, time, pytest
+
+@pytest.mark.parametrize("index", range(6))
+def test_free(index):
+    time.sleep(0.3)
+    with open(os.environ["GROUPING_LOG"], "a") as log:
+        log.write(json.dumps({"test": "free", "index": index, "worker": os.environ["PYTEST_XDIST_WORKER"]}) + "\\n")
+'''
+
+
+def test_tests_sharing_a_module_fixture_stay_on_one_worker(tmp_path):
+    suite = tmp_path / "suite" / "tests"
+    suite.mkdir(parents=True)
+    (suite / "__init__.py").write_text("")
+    shutil.copy(REPO_ROOT / "tests" / "conftest.py", suite / "conftest.py")
+    (suite / "distributed.py").write_text(f"REPO_ROOT = {str(REPO_ROOT)!r}\n")  # what conftest imports
+    (suite / "test_shared.py").write_text(SHARED)
+    (suite / "test_free.py").write_text(FREE)
+    log = tmp_path / "log.jsonl"
+    # The Makefile's options, on the Makefile's own command line.
+    options = next(line for line in (REPO_ROOT / "Makefile").read_text().splitlines()
+                   if "-m pytest tests" in line).split("-m pytest tests", 1)[1].split()
+    result = subprocess.run([sys.executable, "-m", "pytest", "tests", "-p", "no:cacheprovider", *options],
+                            cwd=suite.parent, env={**_env(), "GROUPING_LOG": str(log)}, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    shared = [row for row in rows if row["test"] == "shared"]
+    assert len(shared) == 6 and len({row["worker"] for row in shared}) == 1
+    assert all(row["fixture_worker"] == row["worker"] for row in shared)
+    free = {row["worker"] for row in rows if row["test"] == "free"}
+    assert len(free) == 2, rows  # the rest is spread over both workers
+
+
+def _env() -> dict[str, str]:
+    """This process's environment without the variables of the xdist worker it may run in."""
+    return {key: value for key, value in os.environ.items() if not key.startswith(("PYTEST_", "GROUPING_"))}
