@@ -220,9 +220,9 @@ def test_head_checks_skipped_without_config_json():
 PINNED = ["actor_rollout_ref.actor.ppo_mini_batch_size=16", "data.max_response_length=16"]
 
 
-def test_batch_times_n_not_divisible_by_data_parallel_size():
+def test_batch_not_divisible_by_data_parallel_size():
     message = error_of(DEMO, ["data.train_batch_size=9"], world_size=2)
-    assert "data.train_batch_size * actor_rollout_ref.rollout.n = 9 * 1 = 9" in message and "dp = 2" in message
+    assert "data.train_batch_size=9 prompts must split evenly" in message and "dp = 2" in message
 
 
 def test_batch_not_divisible_by_mini_batch():
@@ -450,3 +450,56 @@ def test_rollout_correction_settings():
     message = error_of(DEMO, [f"{key}.rollout_is=token", "actor_rollout_ref.actor.use_rollout_log_probs=true"])
     assert "use_rollout_log_probs=True: must be false with algorithm.rollout_correction" in message
     assert "silently do nothing" in message
+
+
+# ----------------------------------------------------------------------------- what users paste
+
+
+def test_a_tab_in_the_yaml_says_tab(tmp_path):
+    message = error_of(write(tmp_path, "data:\n\ttrain_batch_size: 8\n"))
+    assert "line 2, column 1" in message and "tab character" in message and "spaces" in message
+
+
+def test_verl_strategy_megatron_is_accepted_and_fsdp_refused(tmp_path):
+    config = load_config(DEMO, ["actor_rollout_ref.actor.strategy=megatron", "critic.strategy=megatron"])
+    assert config.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 1
+    for key in ("actor_rollout_ref.actor.strategy", "critic.strategy", "actor_rollout_ref.ref.strategy"):
+        for backend in ("fsdp", "fsdp2"):
+            message = error_of(DEMO, [f"{key}={backend}"])
+            assert f"{key}='{backend}'" in message and "only training backend is Megatron" in message
+    path = write(tmp_path, MINIMAL.replace("  actor:\n", "  actor:\n    strategy: fsdp\n"))
+    assert "actor_rollout_ref.actor.strategy='fsdp'" in error_of(path)
+
+
+def test_the_seed_recipes_checkpoint_interval_is_save_freq(tmp_path):
+    assert load_config(DEMO, ["trainer.checkpoint.every_n_steps=7"]).trainer.save_freq == 7
+    path = write(tmp_path, MINIMAL + "trainer:\n  checkpoint:\n    every_n_steps: 5\n")
+    assert load_config(path, world_size=8).trainer.save_freq == 5
+    both = write(tmp_path, MINIMAL + "trainer:\n  save_freq: 3\n  checkpoint:\n    every_n_steps: 5\n")
+    message = error_of(both, world_size=8)
+    assert "trainer.checkpoint.every_n_steps=5" in message and "trainer.save_freq=3" in message
+    # any other key under trainer.checkpoint is refused, pointing at the checkpoint keys there are
+    message = error_of(DEMO, ["trainer.checkpoint.keep=3"])
+    assert "'trainer.checkpoint'" in message and "trainer.save_freq" in message and "trainer.max_ckpt_to_keep" in message
+    assert "trainer.profile" not in message
+
+
+def test_sglang_missing_from_the_venv_says_how_to_install_it(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else find_spec(name, *a))
+    message = error_of(DEMO, ["actor_rollout_ref.rollout.name=sglang"])
+    assert "actor_rollout_ref.rollout.name='sglang'" in message and "not installed" in message
+    assert "pip install -e '.[gpu]'" in message and "make sglang" in message
+    load_config(DEMO)  # the embedded engine needs no SGLang
+
+
+def test_prompts_must_split_over_data_parallel_ranks_not_only_their_samples():
+    """1 prompt x 4 samples on 2 data-parallel ranks: the sampler splits prompts, so it is refused
+    here with the numbers, not at the first step with a traceback."""
+    message = error_of(DEMO, ["data.train_batch_size=1", "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+                              "critic.ppo_mini_batch_size=1", "actor_rollout_ref.rollout.n=4",
+                              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                              "critic.ppo_micro_batch_size_per_gpu=2"])
+    assert "data.train_batch_size=1 prompts must split evenly" in message and "dp = 2" in message

@@ -49,7 +49,19 @@ REMOVED_KEYS = {
                       "available, else the CPU",
     "critic.model.tokenizer_path": "the critic scores the actor's token ids and has no tokenizer of its own",
     "critic.model.trust_remote_code": "the critic is built by megatron from config.json and runs no checkpoint code",
+    "trainer.checkpoint": "checkpoints are set by trainer.save_freq (the interval; the seed recipe's "
+                          "trainer.checkpoint.every_n_steps is read as it), trainer.max_ckpt_to_keep, "
+                          "trainer.resume_mode and trainer.resume_from_path",
 }
+# Other spellings of a key, accepted as that key (the seed recipe's names): a file or override may
+# use either, not both with different values.
+ALIAS_KEYS = {
+    "trainer.checkpoint.every_n_steps": "trainer.save_freq",
+}
+# verl's ``strategy`` keys pick a training backend; Megatron is Trident's only one.
+STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy",
+                 "reward_model.strategy")
+MEGATRON_STRATEGY = "megatron"
 # Keys typed list[str] that also take one string (the way users write a single file).
 SINGLE_OR_LIST_KEYS = ("data.train_files", "data.val_files")
 # Path keys in which a leading "~" is expanded.
@@ -124,6 +136,9 @@ def _read_yaml(path: Path) -> tuple[dict[str, Any], str]:
         mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
         where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else str(path)
         problem = getattr(error, "problem", None) or str(error)
+        lines = text.splitlines()
+        if mark and mark.line < len(lines) and "\t" in lines[mark.line][:mark.column + 1]:
+            problem = "a tab character; YAML indents with spaces only (replace the tab with spaces)"
         raise ConfigError(f"YAML syntax error in {where}: {problem}.") from None
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"Cannot read config file {path}: {error}.") from None
@@ -162,7 +177,7 @@ def _parse_override(override: str) -> dict[str, Any]:
 
 
 def _merge(base: DictConfig, tree: dict[str, Any], source: str, yaml_text: str | None = None) -> DictConfig:
-    _normalize(tree)
+    _normalize(tree, source)
     _check_keys(tree, ExperimentConfig, prefix="", source=source, yaml_text=yaml_text)
     try:
         return OmegaConf.merge(base, tree)
@@ -170,7 +185,26 @@ def _merge(base: DictConfig, tree: dict[str, Any], source: str, yaml_text: str |
         raise _type_error(error, source) from None
 
 
-def _normalize(tree: dict[str, Any]) -> None:
+def _normalize(tree: dict[str, Any], source: str) -> None:
+    for dotted in STRATEGY_KEYS:
+        value = _pop(tree, dotted)
+        if value is not _ABSENT and value != MEGATRON_STRATEGY:
+            raise ConfigError(f"{dotted}={value!r} ({source}): Trident's only training backend is Megatron "
+                              f"(megatron-core's tensor, pipeline, data and expert parallelism); set it to "
+                              f"{MEGATRON_STRATEGY!r} or remove it, and size the layout with "
+                              f"{dotted.rpartition('.')[0]}.megatron.*.")
+    for alias, key in ALIAS_KEYS.items():
+        value = _pop(tree, alias)
+        if value is _ABSENT:
+            continue
+        section, _, leaf = key.rpartition(".")
+        node = tree.setdefault(section, {}) if "." not in section else None
+        if not isinstance(node, dict):
+            raise ConfigError(f"{alias} ({source}) is {key}, which must be inside the {section!r} section.")
+        if leaf in node and node[leaf] != value:
+            raise ConfigError(f"{alias}={value!r} and {key}={node[leaf]!r} ({source}) are the same setting; "
+                              f"keep one ({key}).")
+        node[leaf] = value
     for dotted in SINGLE_OR_LIST_KEYS:
         section, _, key = dotted.partition(".")
         node = tree.get(section)
@@ -179,6 +213,26 @@ def _normalize(tree: dict[str, Any]) -> None:
                 node[key] = [node[key]]
             elif node[key] is None and key == "val_files":  # `val_files: null` = no validation set
                 node[key] = []
+
+
+_ABSENT = object()
+
+
+def _pop(tree: dict[str, Any], dotted: str) -> Any:
+    """Remove the key ``dotted`` from the nested ``tree`` and return its value (``_ABSENT`` if it
+    is not there); a section left empty by it goes too."""
+    head, _, rest = dotted.partition(".")
+    if head not in tree:
+        return _ABSENT
+    if not rest:
+        return tree.pop(head)
+    node = tree[head]
+    if not isinstance(node, dict):
+        return _ABSENT
+    value = _pop(node, rest)
+    if value is not _ABSENT and not node:
+        del tree[head]
+    return value
 
 
 def _check_keys(tree: dict, cls: type, prefix: str, source: str, yaml_text: str | None) -> None:

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import math
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -101,6 +102,21 @@ def _check_choices(config: ExperimentConfig) -> None:
         if missing:
             raise ConfigError(f"trainer.logger includes {name!r}, but {', '.join(missing)} is not installed; "
                               f"pip install 'trident-ppo[{extra}]' (or drop {name!r} from trainer.logger).")
+    _check_sglang_installed(config)
+
+
+def _check_sglang_installed(config: ExperimentConfig) -> None:
+    """SGLang runs the rollout servers and a judge Trident starts; the trainers also use its
+    weight-update helpers. Without it, say how to install it rather than fail at start-up."""
+    judge = config.reward_model.judge
+    users = [f"{ROLLOUT}.name='sglang'"] if config.actor_rollout_ref.rollout.name == "sglang" else []
+    users += ["reward_model.judge (a server of judge.model.path)"] if judge.enable and judge.url is None else []
+    if users and importlib.util.find_spec("sglang") is None:
+        raise ConfigError(
+            f"{' and '.join(users)} need(s) SGLang, which is not installed in this Python ({sys.executable}). "
+            "On a GPU machine: pip install -e '.[gpu]' (SGLang and transformer-engine); on a machine without "
+            "GPUs: make sglang (SGLang's CPU tier, as make test installs it). Or generate with the embedded "
+            f"engine: {ROLLOUT}.name=torch.")
 
 
 _LORA = "LoRA is built for the actor only (actor_rollout_ref.model.lora_rank); the critic trains all its weights"
@@ -504,11 +520,10 @@ def _check_ppo_batches(prefix: str, section: Any, dp: int, dynamic: bool, config
     """Rollout batch -> mini-batches (optimizer steps) -> per-rank micro-batches must all divide."""
     batch, n = config.data.train_batch_size, config.actor_rollout_ref.rollout.n
     mini, micro = section.ppo_mini_batch_size, section.ppo_micro_batch_size_per_gpu
-    sequences = batch * n
-    if sequences % dp:
+    if batch % dp:  # each data-parallel rank generates for its own share of the prompts
         raise ConfigError(
-            f"data.train_batch_size * {ROLLOUT}.n = {batch} * {n} = {sequences} sequences must split evenly over "
-            f"the {prefix} data-parallel size dp = {dp}; make the product a multiple of {dp}."
+            f"data.train_batch_size={batch} prompts must split evenly over the {prefix} data-parallel size "
+            f"dp = {dp} (each data-parallel rank samples its share of the prompts); make it a multiple of {dp}."
         )
     if mini > batch or batch % mini:
         raise ConfigError(
