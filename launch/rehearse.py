@@ -17,7 +17,8 @@ what this machine cannot hold. Every change is printed first, with its reason, a
   most 2 and within ``--max-ranks``, expert TP dividing the shrunk TP, expert parallelism within
   the stage's ranks that expert TP leaves and dividing the tiny model's experts; the generation TP
   keeps its ratio to the training TP;
-- lengths and batches: prompts and responses capped at ``PROMPT_CAP`` / ``RESPONSE_CAP`` tokens
+- lengths and batches: prompts of ``PROMPT_CAP`` tokens (characters of the stand-in tokenizer, so
+  shorter written limits are raised too) and responses capped at ``RESPONSE_CAP`` tokens
   (token budgets scale with them), micro-batches at 2 sequences, at most 2 optimizer steps per
   iteration, and the smallest prompt batch the shrunk layout divides;
 - data missing here: GSM8K stand-ins (arithmetic questions written through ``launch.data.gsm8k``,
@@ -28,8 +29,11 @@ what this machine cannot hold. Every change is printed first, with its reason, a
 
 It then checks what the first steps of a healthy run show: every step logged, losses finite, and
 the rollout engine's log-probs equal to the trainer's within the precision's tolerance
-(``engine.sync.expected_log_prob_gap``). Exit status 0 on success, 1 when the rehearsal fails (the
-message names the check, the job log is ``DIR/job.log``), 2 for a config error.
+(``engine.sync.expected_log_prob_gap``); an experiment that takes pi_old from the engine
+(``actor.use_rollout_log_probs``) recomputes nothing to compare, and its embedded engine's weights
+are checked by fingerprint instead (``rollout.check_weight_sync``). Exit status 0 on success, 1 when
+the rehearsal fails (the message names the check, the job log is ``DIR/job.log``), 2 for a config
+error.
 """
 from __future__ import annotations
 
@@ -263,10 +267,11 @@ def plan_rehearsal(yaml_path: str, base_overrides: Sequence[str], config: Experi
     train_files, val_files = data
     changes.set("data.train_files", train_files, "GSM8K stand-in prompts (the data is not on this machine)")
     changes.set("data.val_files", val_files, "GSM8K stand-in prompts (the data is not on this machine)")
-    prompt = min(config.data.max_prompt_length, PROMPT_CAP)
-    response = min(config.data.max_response_length, RESPONSE_CAP)
+    # The stand-in tokenizer spends a token per character, more than the model's own on any prompt.
+    prompt, response = PROMPT_CAP, min(config.data.max_response_length, RESPONSE_CAP)
     written_length = config.data.max_prompt_length + config.data.max_response_length
-    changes.set("data.max_prompt_length", prompt, "tiny model context")
+    changes.set("data.max_prompt_length", prompt, "tiny model context" if config.data.max_prompt_length > prompt
+                else "the character-level stand-in tokenizer spends a token per character")
     changes.set("data.max_response_length", response, "tiny model context")
     for key in ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "critic.ppo_max_token_len_per_gpu",
                 "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
@@ -291,6 +296,10 @@ def plan_rehearsal(yaml_path: str, base_overrides: Sequence[str], config: Experi
                 "the tiny model still travels in several buckets")
     if config.reward_model.num_workers > 1:
         changes.set("reward_model.num_workers", 1, "one Ray reward worker on 2 cores")
+    if arr.actor.use_rollout_log_probs and arr.rollout.name == "torch":
+        changes.set("actor_rollout_ref.rollout.check_weight_sync", True,
+                    "pi_old is the engine's own log-probs, so nothing is recomputed to compare them with: the "
+                    "engine's weights are checked against the actor's by fingerprint instead")
 
     # Batches: the smallest prompt batch the shrunk layout divides, at most 2 optimizer steps.
     batch = config.data.train_batch_size
@@ -363,7 +372,11 @@ def check_run(run_dir: Path, steps: int, config: ExperimentConfig) -> dict[str, 
         for key in LOSS_KEYS:
             if key in row and (row[key] is None or not math.isfinite(row[key])):
                 raise RehearsalError(f"step {row['step']}: {key} = {row[key]} is not finite")
-        gap = row["rollout/log_prob_abs_diff"]
+        gap = row.get("rollout/log_prob_abs_diff")
+        if gap is None:
+            if config.actor_rollout_ref.actor.use_rollout_log_probs:
+                continue  # pi_old is the engine's own: nothing recomputed to compare (see plan_rehearsal)
+            raise RehearsalError(f"step {row['step']}: no rollout/log_prob_abs_diff was logged")
         if not gap <= tolerance:
             raise RehearsalError(f"step {row['step']}: the rollout engine's log-probs differ from the trainer's by "
                                  f"{gap:.3g} per token, over the {tolerance} expected at this precision")
