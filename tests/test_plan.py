@@ -11,7 +11,7 @@ EXPERIMENTS = sorted(str(path.relative_to(REPO)) for path in (REPO / "yaml").glo
 LARGE = ["yaml/llama3-70b_ppo_8node.yaml", "yaml/llama3-70b_ppo_16node.yaml",
          "yaml/qwen2.5-72b_ppo_8node.yaml", "yaml/qwen2.5-72b_ppo_16node.yaml"]
 LORA = ["yaml/llama3-70b_lora_grpo_1node.yaml", "yaml/qwen2.5-72b_lora_grpo_1node.yaml"]
-README_TABLE = [*LARGE, "yaml/qwen3-8b_grpo_gsm8k.yaml", "yaml/qwen3-30b-a3b_grpo_gsm8k.yaml", *LORA]
+SCALE_TABLE = [*LARGE, "yaml/qwen3-8b_grpo_gsm8k.yaml", "yaml/qwen3-30b-a3b_grpo_gsm8k.yaml", *LORA]
 
 
 @pytest.fixture(autouse=True)
@@ -166,16 +166,16 @@ def test_markdown_snippet_is_in_the_docs():
         assert markdown_text(make_plan(experiment)) in docs, f"regenerate docs/planner.md for {experiment}"
 
 
-def test_readme_prints_the_current_estimates():
-    readme = (REPO / "README.md").read_text().splitlines()
+def test_scale_docs_print_the_current_estimates():
+    page = (REPO / "docs" / "scale.md").read_text().splitlines()
     gib = 2 ** 30
-    for experiment in README_TABLE:
+    for experiment in SCALE_TABLE:
         report = make_plan(experiment)
         phases = {phase.phase: phase for phase in report.memory.phases}
         headroom = min(phase.capacity_bytes - phase.total_bytes for phase in report.memory.phases)
         sync = report.memory.sync
         expected = [f"{phases['rollout'].total_bytes / gib:.1f}", f"{phases['update_actor'].total_bytes / gib:.1f}",
                     f"{headroom / gib:.1f}", f"{sync.received_bytes / gib:.1f} / {sync.gather_all_bytes / gib:.1f}"]
-        row = next(line for line in readme if line.startswith(f"| `{experiment}` |"))
+        row = next(line for line in page if line.startswith(f"| `{experiment}` |"))
         cells = [cell.strip() for cell in row.strip("|").split("|")]
-        assert cells[-4:] == expected, f"update README.md's row for {experiment}"
+        assert cells[-4:] == expected, f"update docs/scale.md's row for {experiment}"
