@@ -25,8 +25,9 @@ setup(
     install_requires=_requirements("base.txt"),
     entry_points={"console_scripts": ["trident=launch.cli:main"]},
     extras_require={
-        # transformer-engine builds only against CUDA/NCCL headers: GPU machines only.
-        "gpu": ["transformer-engine[pytorch]", "sglang==0.5.23"],
+        # transformer-engine builds only against CUDA/NCCL headers: GPU machines only. The range is
+        # megatron-core 0.16.1's own (its "dev" extra), for torch 2.14.1's CUDA 13 build.
+        "gpu": ["transformer-engine[pytorch,core_cu13]>=2.9,<2.12", "sglang==0.5.23"],
         "sglang-cpu": _requirements("sglang-cpu.txt") + ["sglang==0.5.23"],
         "wandb": _requirements("wandb.txt"),
         "mlflow": _requirements("mlflow.txt"),

@@ -445,13 +445,15 @@ class ModelMemoryConfig:
 class RolloutMemoryConfig:
     """The generation engine (SGLang semantics), colocated on every training GPU.
 
-    ``gpu_memory_utilization`` is the fraction of the whole GPU the engine takes for its weights plus
-    KV cache while it runs (SGLang's ``mem_fraction_static``: the rest, 1 - fraction, must hold
-    everything else resident); it releases both during the training phases (release / resume memory
-    occupation) and gets its weights from the actor through the HybridEngine. ``in_process`` is an
-    engine inside each trainer process (HF generate): one full weight copy per rank and a KV cache
-    for that rank's sequences, no memory fraction. (Disaggregated rollout, on GPUs of its own, is
-    not built yet.)
+    ``gpu_memory_utilization`` is SGLang's ``mem_fraction_static``: the engine's weights plus KV
+    cache take that fraction of the memory *free when the engine starts* (``sglang_static_pool_bytes``;
+    Trident starts it before any training model, so that is the GPU less the CUDA contexts of the
+    trainer and the engine). Its CUDA graphs are captured beside that pool. Weights, KV cache and
+    graphs are released during the training phases (the memory saver's three tags) and the weights
+    come back from the actor through the HybridEngine; the engine's CUDA context stays. ``in_process``
+    is an engine inside each trainer process (HF generate): one full weight copy per rank and a KV
+    cache for that rank's sequences, no memory fraction, no process of its own. (Servers on devices
+    of their own are not planned here.)
     """
 
     tensor_model_parallel_size: int
@@ -490,6 +492,15 @@ class HybridEngineSync:
     engine_shard_bytes: float
     bucket_bytes: float
     buckets: int
+
+
+def sglang_static_pool_bytes(free_at_start_bytes: float, mem_fraction_static: float) -> float:
+    """SGLang's weights + KV-cache pool (sglang 0.5.23, ``srt/mem_cache/kv_cache_configurator.py``,
+    ``_profile_available_bytes``): the KV cache gets what is free after loading the weights less
+    (1 - fraction) of what was free before loading, so weights + KV cache = fraction x the memory free
+    before loading, which SGLang measures when it starts (``srt/distributed/bootstrap.py``,
+    ``measure_pre_model_load_memory``)."""
+    return mem_fraction_static * free_at_start_bytes
 
 
 def hybrid_engine_sync(
@@ -612,11 +623,16 @@ def estimate_memory(
     world_size: int,
     gpu_memory_bytes: float,
     reserved_bytes: float,
+    context_bytes: float = 0.0,
+    cuda_graph_bytes: float = 0.0,
 ) -> MemoryPlan:
     """Per-phase peak memory on the fullest GPU, the sync cost, and what does not fit.
 
-    ``reserved_bytes`` covers what no formula here counts (CUDA context, NCCL buffers, allocator
-    fragmentation, the engine's CUDA graphs); it is added to every phase.
+    ``gpu_memory_bytes``: all the GPU has (``nvidia-smi``'s total). ``context_bytes``: one process's
+    CUDA context (the trainer's, and the engine's, which stays while it is released).
+    ``cuda_graph_bytes``: the engine's CUDA graphs, captured beside its pool and released with it.
+    ``reserved_bytes`` covers what no formula here counts (NCCL buffers, allocator fragmentation);
+    it is added to every phase.
     """
     by_role = {model.role: model for model in models}
     if "actor" not in by_role:
@@ -628,8 +644,10 @@ def estimate_memory(
     sequences_per_replica = math.ceil(rollout.sequences_per_step / replicas)
     if rollout.in_process:
         engine_pool = sync.engine_shard_bytes + per_token * rollout.sequence_length * sequences_per_replica
-    else:
-        engine_pool = rollout.gpu_memory_utilization * gpu_memory_bytes
+        free_at_engine_start = gpu_memory_bytes - context_bytes
+    else:  # the engine starts before any training model: only the two processes' contexts are taken
+        free_at_engine_start = gpu_memory_bytes - 2 * context_bytes
+        engine_pool = sglang_static_pool_bytes(free_at_engine_start, rollout.gpu_memory_utilization)
     forward_phase_role = {"old_log_prob": "actor", "ref_log_prob": "ref", "values": "critic"}
     train_phase_role = {"update_critic": "critic", "update_actor": "actor"}
     phases = []
@@ -645,10 +663,14 @@ def estimate_memory(
             items.update(_model_items(model, phase, kind))
         if phase == "rollout":
             items["rollout/weights+kv_cache"] = engine_pool
+            if not rollout.in_process and cuda_graph_bytes:
+                items["rollout/cuda_graphs"] = cuda_graph_bytes
         elif phase == "weight_sync":
             items["rollout/weights"] = sync.engine_shard_bytes
             # one bucket being packed from the training shards, one handed to the engine
             items["rollout/sync_buckets"] = 2 * min(sync.bucket_bytes, sync.engine_shard_bytes)
+        if context_bytes:
+            items["cuda_contexts"] = context_bytes * (1 if rollout.in_process else 2)
         items["reserved"] = reserved_bytes
         phases.append(PhaseEstimate(phase, items, gpu_memory_bytes))
 
@@ -664,7 +686,7 @@ def estimate_memory(
     if max_sequences < 1:
         problems.append(
             f"phase 'rollout': the engine's share gpu_memory_utilization={rollout.gpu_memory_utilization} x "
-            f"{gpu_memory_bytes / GIB:.1f} GiB = {engine_pool / GIB:.1f} GiB leaves "
+            f"{free_at_engine_start / GIB:.1f} GiB free when it starts = {engine_pool / GIB:.1f} GiB leaves "
             f"{kv_bytes / GIB:.2f} GiB of KV cache after its {sync.engine_shard_bytes / GIB:.1f} GiB weight shard; "
             f"one {rollout.sequence_length}-token sequence needs {per_token * rollout.sequence_length / GIB:.2f} GiB "
             "(raise gpu_memory_utilization or rollout.tensor_model_parallel_size)"

@@ -1,7 +1,7 @@
 """Check a layout before launching it: config validation, per-phase GPU memory, HybridEngine sync.
 
-    python -m launch.plan yaml/X.yaml [--nodes N] [--gpus-per-node G] [--gpu-mem 80]
-        [--reserve-gib 4] [--json | --markdown] [key=value ...]
+    python -m launch.plan yaml/X.yaml [--nodes N] [--gpus-per-node G] [--gpu h100-80gb | --gpu-mem GIB]
+        [--reserve-gib 3] [--cuda-graph-gib 1] [--json | --markdown] [key=value ...]
 
 Loads the experiment with ``engine.config.load_config`` at the world size N x G (default:
 ``trainer.nnodes`` x ``trainer.n_gpus_per_node``), reads the model's architecture, and estimates the
@@ -38,10 +38,18 @@ from launch.memory_model import (
 )
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-DEFAULT_GPU_MEMORY_GIB = 80.0  # H100-80GB
-# CUDA context (~0.5 GiB), NCCL communicator buffers of the TP/PP/DP/CP groups (~1-2 GiB), the
-# caching allocator's fragmentation and the engine's CUDA graphs: memory no formula here counts.
-DEFAULT_RESERVE_GIB = 4.0
+# What each GPU kind has, as ``nvidia-smi --query-gpu=memory.total`` reports it (MiB).
+GPU_KINDS_MIB = {"h100-80gb": 81559, "h200": 143771, "a100-80gb": 81920}
+DEFAULT_GPU = "h100-80gb"
+# One process's CUDA context on the GPU (the trainer's; the colocated engine's, which stays while it
+# is released): ~0.5 GiB with torch 2.x's lazy module loading; an estimate, not measured here.
+CUDA_CONTEXT_GIB = 0.5
+# SGLang's CUDA graphs of the decode batch sizes, captured beside its pool and released with it
+# (SGLANG_MEMORY_SAVER_CUDA_GRAPH): an estimate, not measured here.
+DEFAULT_CUDA_GRAPH_GIB = 1.0
+# NCCL communicator buffers of the TP/PP/DP/CP groups (~1-2 GiB) and the caching allocator's
+# fragmentation: memory no formula here counts.
+DEFAULT_RESERVE_GIB = 3.0
 # megatron DDP in engine.roles.optim keeps gradients in fp32 (grad_reduce_in_fp32=True).
 GRAD_DTYPE_BYTES = 4
 
@@ -152,6 +160,9 @@ class PlanReport:
     models: list[ModelMemoryConfig]
     rollout: RolloutMemoryConfig
     memory: MemoryPlan
+    # Bytes one GPU receives in the weight sync the loop runs (whole HF tensors on every generation
+    # rank, ReshardTarget.FULL): the most over the GPUs, replayed by the HybridEngine's own plan.
+    loop_sync_received_bytes: int
 
     @property
     def fits(self) -> bool:
@@ -235,7 +246,7 @@ def memory_inputs(config: ExperimentConfig, world_size: int) -> tuple[list[Model
         )
     ]
     # With LoRA the reference is the actor with its adapters off: no model of its own.
-    if (actor.use_kl_loss or config.algorithm.use_kl_in_reward) and not arr.model.lora_rank:
+    if config.built_models().reference:
         models.append(ModelMemoryConfig(
             role="ref", architecture=architecture, layout=actor_layout, data_parallel_size=actor_dp,
             trainable=False, params_dtype_bytes=param_bytes,
@@ -243,7 +254,7 @@ def memory_inputs(config: ExperimentConfig, world_size: int) -> tuple[list[Model
                                                   arr.ref.log_prob_micro_batch_size_per_gpu, config),
             sequence_length=seq_len, offload=OffloadPolicy(param_offload=arr.ref.megatron.param_offload),
         ))
-    if config.algorithm.uses_critic:
+    if config.built_models().critic:
         critic = config.critic
         critic_architecture, _ = resolve_architecture(critic.model.path, "critic.model.path")
         _check_split(critic_architecture, critic.megatron, "critic.megatron")
@@ -284,24 +295,57 @@ def make_plan(
     overrides: Sequence[str] = (),
     nodes: int | None = None,
     gpus_per_node: int | None = None,
-    gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
+    gpu_memory_gib: float | None = None,
     reserve_gib: float = DEFAULT_RESERVE_GIB,
+    gpu: str = DEFAULT_GPU,
+    cuda_graph_gib: float = DEFAULT_CUDA_GRAPH_GIB,
 ) -> PlanReport:
-    """Validate the experiment at nodes x gpus_per_node ranks and estimate its memory.
+    """Validate the experiment at nodes x gpus_per_node ranks and estimate its memory on GPUs of
+    kind ``gpu`` (``GPU_KINDS_MIB``), or of ``gpu_memory_gib`` GiB when given.
 
     Raises ConfigError (invalid config) or PlanError (the model cannot be planned for).
     """
+    if gpu_memory_gib is None:
+        if gpu not in GPU_KINDS_MIB:
+            raise PlanError(f"--gpu {gpu!r}: known kinds are {', '.join(GPU_KINDS_MIB)} (or give --gpu-mem GIB)")
+        gpu_memory_gib = GPU_KINDS_MIB[gpu] / 1024
     cluster = [f"trainer.nnodes={nodes}"] if nodes is not None else []
     cluster += [f"trainer.n_gpus_per_node={gpus_per_node}"] if gpus_per_node is not None else []
     config = load_config(yaml_path, [*cluster, *overrides])
     world = config.trainer.nnodes * config.trainer.n_gpus_per_node
     models, rollout, source = memory_inputs(config, world)
-    memory = estimate_memory(models, rollout, world, gpu_memory_gib * GIB, reserve_gib * GIB)
+    memory = estimate_memory(models, rollout, world, gpu_memory_gib * GIB, reserve_gib * GIB,
+                             context_bytes=CUDA_CONTEXT_GIB * GIB, cuda_graph_bytes=cuda_graph_gib * GIB)
     return PlanReport(
         yaml_path=str(yaml_path), nodes=config.trainer.nnodes, gpus_per_node=config.trainer.n_gpus_per_node,
         gpu_memory_gib=gpu_memory_gib, world_size=world, architecture_source=source,
         parameters=full_model_parameters(models[0].architecture), models=models, rollout=rollout, memory=memory,
+        loop_sync_received_bytes=max(weight_sync_received_bytes(
+            models[0].architecture, models[0].layout, world, config.actor_rollout_ref.rollout.tensor_model_parallel_size,
+            config.actor_rollout_ref.rollout.dtype).values()),
     )
+
+
+def weight_sync_received_bytes(architecture: ModelArchitecture, layout, world_size: int, generation_tp: int,
+                               dtype: str) -> dict[int, int]:
+    """Bytes GPUs receive in one weight sync of the loop, by rank: the HybridEngine's own plan
+    (``ReshardPlan.traffic``) for the whole tensors every colocated generation rank gets, in the
+    engine's ``dtype``. GPUs differ by pipeline stage and expert rank only, so one of each is
+    replayed (the first rank of each)."""
+    import torch
+
+    from engine.sync.specs import parameter_specs
+    from parallel.hybrid_engine import GenerationLayout, HybridLayout, ReshardPlan, ReshardTarget, TrainingLayout
+
+    training = TrainingLayout.from_parallel_layout(layout, world_size)
+    plan = ReshardPlan(HybridLayout(training, GenerationLayout(generation_tp)),
+                       parameter_specs(architecture, training, transformer_engine=True), ReshardTarget.FULL,
+                       getattr(torch, dtype))
+    representatives: dict[tuple[int, int], int] = {}
+    for rank in range(world_size):
+        coordinates = training.coordinates(rank)
+        representatives.setdefault((coordinates.pipeline, coordinates.expert), rank)
+    return {rank: plan.traffic(rank).received for rank in representatives.values()}
 
 
 # ----------------------------------------------------------------------------- output
@@ -334,7 +378,7 @@ def summary_lines(report: PlanReport) -> list[str]:
     memory, rollout, sync = report.memory, report.rollout, report.memory.sync
     lines = [
         f"{report.yaml_path}: {report.nodes} node(s) x {report.gpus_per_node} GPUs = {report.world_size} ranks, "
-        f"{report.gpu_memory_gib:g} GiB per GPU",
+        f"{report.gpu_memory_gib:.1f} GiB per GPU",
         f"model: {report.parameters / 1e9:.2f} B parameters ({report.architecture_source})",
     ]
     lines += [f"{model.role}: {_layout_text(model)}" for model in report.models]
@@ -352,9 +396,11 @@ def summary_lines(report: PlanReport) -> list[str]:
            if 0 < memory.max_concurrent_sequences < memory.sequences_per_replica else "")
     )
     lines.append(
-        f"weight sync per GPU: {sync.received_bytes / GIB:.2f} GiB moved (HybridFlow grouping; gather-all would "
-        f"move {sync.gather_all_bytes / GIB:.1f} GiB), {sync.engine_shard_bytes / GIB:.2f} GiB engine shard "
-        f"in {sync.buckets} bucket(s) of {sync.bucket_bytes / 2**20:g} MiB; model {sync.model_bytes / GIB:.1f} GiB"
+        f"weight sync per GPU: {report.loop_sync_received_bytes / GIB:.2f} GiB received by the loop (whole tensors on "
+        f"every generation rank); {sync.received_bytes / GIB:.2f} GiB would be HybridFlow's bound (each rank its "
+        f"engine shard), gather-all {sync.gather_all_bytes / GIB:.1f} GiB; {sync.engine_shard_bytes / GIB:.2f} GiB "
+        f"engine shard in {sync.buckets} bucket(s) of {sync.bucket_bytes / 2**20:g} MiB; model "
+        f"{sync.model_bytes / GIB:.1f} GiB"
     )
     return lines
 
@@ -364,7 +410,7 @@ def _item_names(report: PlanReport) -> list[str]:
     for phase in report.memory.phases:
         names += [name for name in phase.items if name not in names]
     # Roles in the order the models are listed, the rollout engine after them, the reserve last.
-    roles = [model.role for model in report.models] + ["rollout", "reserved"]
+    roles = [model.role for model in report.models] + ["rollout", "cuda_contexts", "reserved"]
     return sorted(names, key=lambda name: (roles.index(name.split("/")[0]), names.index(name)))
 
 
@@ -428,8 +474,8 @@ def json_dict(report: PlanReport) -> dict[str, Any]:
             "sequences_per_replica": memory.sequences_per_replica,
         },
         "weight_sync": {
-            "model_bytes": sync.model_bytes, "received_bytes_per_gpu": sync.received_bytes,
-            "gather_all_bytes_per_gpu": sync.gather_all_bytes, "engine_shard_bytes": sync.engine_shard_bytes,
+            "model_bytes": sync.model_bytes, "received_bytes_per_gpu": report.loop_sync_received_bytes,
+            "sharded_bound_bytes_per_gpu": sync.received_bytes, "gather_all_bytes_per_gpu": sync.gather_all_bytes, "engine_shard_bytes": sync.engine_shard_bytes,
             "bucket_bytes": sync.bucket_bytes, "buckets": sync.buckets,
         },
     }
@@ -442,15 +488,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides, as for launch.main")
     parser.add_argument("--nodes", type=int, default=None, help="nodes (default: trainer.nnodes)")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: trainer.n_gpus_per_node)")
-    parser.add_argument("--gpu-mem", type=float, default=DEFAULT_GPU_MEMORY_GIB, help="GiB per GPU (default 80)")
+    parser.add_argument("--gpu", default=DEFAULT_GPU, choices=sorted(GPU_KINDS_MIB),
+                        help=f"GPU kind, for its memory (default {DEFAULT_GPU})")
+    parser.add_argument("--gpu-mem", type=float, default=None, help="GiB per GPU, instead of --gpu's")
     parser.add_argument("--reserve-gib", type=float, default=DEFAULT_RESERVE_GIB,
-                        help="GiB per GPU kept for CUDA context, NCCL and fragmentation (default 4)")
+                        help=f"GiB per GPU kept for NCCL buffers and fragmentation (default {DEFAULT_RESERVE_GIB:g})")
+    parser.add_argument("--cuda-graph-gib", type=float, default=DEFAULT_CUDA_GRAPH_GIB,
+                        help=f"GiB of the engine's CUDA graphs during rollout (default {DEFAULT_CUDA_GRAPH_GIB:g})")
     output = parser.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print the plan as JSON")
     output.add_argument("--markdown", action="store_true", help="print the plan as a markdown snippet")
     args = parser.parse_intermixed_args(argv)
     try:
-        report = make_plan(args.experiment, args.overrides, args.nodes, args.gpus_per_node, args.gpu_mem, args.reserve_gib)
+        report = make_plan(args.experiment, args.overrides, args.nodes, args.gpus_per_node, args.gpu_mem,
+                           args.reserve_gib, gpu=args.gpu, cuda_graph_gib=args.cuda_graph_gib)
     except (ConfigError, PlanError) as err:
         print(f"launch.plan: {err}", file=sys.stderr)
         return 2

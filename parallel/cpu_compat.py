@@ -16,7 +16,9 @@ without a GPU we run the real megatron-core code on CPU tensors by:
    generator states that ``fork()`` swaps in and out, here on the CPU default generator);
 4. allowing ``sequence_parallel`` with megatron's plain-torch norm (it refuses only because TE
    usually provides the norm; the local norm is sequence-parallel-correct once its weights'
-   gradients are all-reduced, which megatron's DDP does for ``sequence_parallel`` params);
+   gradients are all-reduced, which megatron's DDP does for ``sequence_parallel`` params). What is
+   missing here is transformer-engine, not CUDA: this one is installed wherever TE is (a GPU
+   without TE builds the local spec too, and sequence parallelism is on by default);
 5. 16-bit matrix products (``matmul``, ``@``, ``linear``, ``bmm``, ``baddbmm``, and the fused
    ``scaled_dot_product_attention``, whose CPU bf16 backward is ~3x slower than fp32's) computed as
    fp32 products of the bf16/fp16 inputs, rounded back to the input dtype. That is what a GPU's tensor
@@ -45,23 +47,31 @@ without a GPU we run the real megatron-core code on CPU tensors by:
    gather pads every piece to the largest and cuts the padding off, the reduce-scatter all-reduces
    the whole tensor and keeps this rank's piece. (The allgather dispatcher needs no bridge but
    aborts gloo when the ranks' token counts differ, which packed micro-batches make normal.)
-
 9. dist-checkpointing's results queue: its writers report through a multiprocessing Manager that
    megatron starts with ``spawn`` at a process's first save (CUDA cannot be forked). That fresh
    interpreter imports torch once results reach it: ~5 s of CPU per rank and job, 12% of the CPU of
    a 4-rank rehearsal (py-spy). Without CUDA the Manager is forked instead, as megatron forks its
    writer processes from the same process anyway.
+10. megatron's jit fuser off (``megatron.core.jit.disable_jit_fuser``) as soon as its module is
+    imported, before any fusion is decorated with it: with dynamo off (6) the compiled functions run
+    as plain Python anyway, and decorating them with ``torch.compile`` imports torch's inductor, 1.6 s
+    of the 4.3 s ``import megatron.core`` takes here (measured), paid by every rank of every job.
+    Installed by ``install_import_hook`` (from ``parallel/__init__.py``, before megatron is imported);
+    the hook checks for CUDA only when megatron is imported, and leaves the GPU path alone.
 
-``activate()`` does nothing when CUDA is available: the GPU path runs megatron-core untouched
-(tests/test_cpu_compat.py proves it). Nothing else in Trident may special-case CPU for
-megatron's sake; put any further bridge here.
+``activate()`` does nothing else when CUDA is available: the GPU path runs megatron-core untouched
+but for (4) where TE is missing (tests/test_cpu_compat.py proves both). Nothing else in Trident may
+special-case CPU for megatron's sake; put any further bridge here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.abc
+import importlib.machinery
 import logging
+import sys
 from typing import Any, Iterator
 
 import torch
@@ -318,9 +328,17 @@ def _cuda_runtime_stand_ins() -> dict[str, Any]:
     }
 
 
+def _transformer_engine_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
 def _allow_sequence_parallel_torch_norm() -> None:
     from megatron.core.transformer import torch_norm
 
+    if (torch_norm.WrappedTorchNorm, "__new__") in _ORIGINALS:
+        return  # already allowed (activate() is idempotent)
     original_new = torch_norm.WrappedTorchNorm.__new__
 
     def new(cls, config, hidden_size, *args, **kwargs):
@@ -353,12 +371,42 @@ def _checkpoint_results_queue_by_fork() -> None:
     _patch(filesystem_async, "_get_write_results_queue", results_queue)
 
 
-def activate() -> bool:
-    """Install the CPU adaptation if this process has no usable GPU. Idempotent.
+class _JitFuserOffOnCpu(importlib.abc.MetaPathFinder):
+    """Finds ``megatron.core.jit`` as usual and, without CUDA, switches its fuser off right after the
+    module runs (item 10)."""
 
-    Returns True when the adaptation is (now) active, False on the GPU path.
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "megatron.core.jit":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_switch_off(module):
+            exec_module(module)
+            if not torch.cuda.is_available():
+                module.disable_jit_fuser()
+
+        spec.loader.exec_module = exec_then_switch_off
+        return spec
+
+
+def install_import_hook() -> None:
+    """Item 10's import hook; idempotent, and a no-op once megatron is imported."""
+    if "megatron.core.jit" not in sys.modules and not any(isinstance(f, _JitFuserOffOnCpu) for f in sys.meta_path):
+        sys.meta_path.insert(0, _JitFuserOffOnCpu())
+
+
+def activate() -> bool:
+    """Install the CPU adaptation if this process has no usable GPU, and (4) wherever
+    transformer-engine is missing. Idempotent.
+
+    Returns True when the CPU adaptation is (now) active, False on the GPU path.
     """
     global _ACTIVE
+    if not _transformer_engine_installed():
+        _allow_sequence_parallel_torch_norm()
     if torch.cuda.is_available():
         return False
     if _ACTIVE is not None:
@@ -371,7 +419,6 @@ def activate() -> bool:
     # Activation recompute saves and restores "the CUDA RNG state" around the recomputed region.
     _patch(megatron_random, "_get_cuda_rng_state", lambda *_a, **_k: torch.get_rng_state())
     _patch(megatron_random, "_set_cuda_rng_state", lambda state, *_a, **_k: torch.set_rng_state(state))
-    _allow_sequence_parallel_torch_norm()
     _fast_half_precision_products()
     _model_compute_outside_mode()
     _moe_alltoall_without_streams()

@@ -3,6 +3,13 @@
 A thin layer over ``megatron.core.parallel_state``: NCCL on GPU, gloo on CPU (where
 ``parallel.cpu_compat`` adapts megatron-core). Ranks are read from the torchrun environment
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+
+The control plane runs on gloo, on every device: barriers and object gathers while some ranks wait
+on others (leaders starting rollout servers or waiting on HTTP generation, rank 0 renaming a
+checkpoint) go over ``control_group()`` and the gloo groups of ``control_groups``, created with the
+job's collective timeout. On NCCL such a wait would spin a kernel on the GPU (time-slicing it with
+SGLang's decode) and end at NCCL's timeout instead of the configured one (verl and slime do the
+same; gloo needs ``GLOO_SOCKET_IFNAME`` where the default route is not the cluster network).
 """
 
 from __future__ import annotations
@@ -29,12 +36,58 @@ def backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+# The control plane's gloo groups, by the ranks they hold (tuple() = the world), and their timeout.
+_CONTROL_GROUPS: dict[tuple[int, ...], object] = {}
+_CONTROL_TIMEOUT: list[datetime.timedelta] = []
+
+
+def control_group():
+    """The world's control-plane group: gloo, with the job's collective timeout (see the module doc)."""
+    if () not in _CONTROL_GROUPS:
+        raise RuntimeError("torch.distributed is not initialised; call parallel.state.init_distributed() first")
+    return _CONTROL_GROUPS[()]
+
+
+def control_groups(rank_lists: list[list[int]]):
+    """The gloo control group of this rank among ``rank_lists`` (a partition of the world, the same
+    on every rank), created once per partition with the job's collective timeout; collective the
+    first time it is asked for."""
+    key = tuple(sorted(tuple(ranks) for ranks in rank_lists))
+    mine = next(tuple(ranks) for ranks in key if dist.get_rank() in ranks)
+    if mine not in _CONTROL_GROUPS:
+        for ranks in key:  # every rank creates every group of the partition, in the same order
+            group = dist.new_group(list(ranks), backend="gloo", timeout=_CONTROL_TIMEOUT[0])
+            _CONTROL_GROUPS.setdefault(ranks, group)
+    return _CONTROL_GROUPS[mine]
+
+
+def control_group_like(group):
+    """The gloo control group holding ``group``'s ranks (in its order); collective over the world."""
+    partition: list = [None] * dist.get_world_size()
+    dist.all_gather_object(partition, dist.get_process_group_ranks(group), group=control_group())
+    return control_groups([list(ranks) for ranks in {tuple(ranks): None for ranks in partition}])
+
+
+def control_plane_timeout() -> datetime.timedelta:
+    """The timeout of every control-plane group (``trainer.collective_timeout_minutes``)."""
+    return _CONTROL_TIMEOUT[0]
+
+
+def is_control_group(group) -> bool:
+    return any(group is known for known in _CONTROL_GROUPS.values())
+
+
 def init_distributed(timeout_minutes: int = 30) -> None:
-    """Start the default process group from the torchrun environment (a world of 1 without it)."""
+    """Start the default process group from the torchrun environment (a world of 1 without it),
+    and the control plane's gloo group with the same timeout."""
     if dist.is_initialized():
         return
     cpu_compat.activate()
     if torch.cuda.is_available():
+        # One hardware queue, so that tensor-parallel communication kernels run in the order they are
+        # issued and overlap compute as megatron plans it (megatron-core warns without it; Megatron-LM
+        # asserts it for TP > 1). Read when this process's CUDA context is made, which is next.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" not in os.environ:  # a plain `python ...` run: a single-rank world
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -42,7 +95,10 @@ def init_distributed(timeout_minutes: int = 30) -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if backend() == "gloo":
         _gloo_groups_share_devices()
-    dist.init_process_group(backend=backend(), timeout=datetime.timedelta(minutes=timeout_minutes))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    dist.init_process_group(backend=backend(), timeout=timeout)
+    _CONTROL_TIMEOUT[:] = [timeout]
+    _CONTROL_GROUPS[()] = dist.new_group(backend="gloo", timeout=timeout)
 
 
 def _gloo_groups_share_devices() -> None:
@@ -110,6 +166,7 @@ def destroy_model_parallel() -> None:
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+    _CONTROL_GROUPS.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
 

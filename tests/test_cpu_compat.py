@@ -1,4 +1,5 @@
-"""The CPU adaptation of megatron-core: active only without CUDA, and megatron really runs on it."""
+"""The CPU adaptation of megatron-core: active only without CUDA (its sequence-parallel norm
+allowance: without transformer-engine), and megatron really runs on it."""
 
 import json
 import subprocess
@@ -9,8 +10,13 @@ import pytest
 from tests.distributed import REPO_ROOT, run_torchrun
 
 _GPU_PATH_PROBE = r"""
+import importlib.util, sys
 import torch
-torch.cuda.is_available = lambda: True          # the availability check is mocked, nothing else
+torch.cuda.is_available = lambda: True          # the availability checks are mocked, nothing else
+find_spec = importlib.util.find_spec
+with_te = sys.argv[1] == "with-te"
+importlib.util.find_spec = lambda name, *a: (find_spec("torch") if with_te else None) if name == "transformer_engine" \
+    else find_spec(name, *a)
 original_current_device = torch.cuda.current_device
 from megatron.core.tensor_parallel import random as megatron_random
 original_tracker = megatron_random.CudaRNGStatesTracker
@@ -23,7 +29,8 @@ assert cpu_compat.activate() is False
 assert not cpu_compat.is_active()
 assert torch.cuda.current_device is original_current_device
 assert megatron_random.CudaRNGStatesTracker is original_tracker
-assert torch_norm.WrappedTorchNorm.__new__ is original_norm_new
+# megatron's local norm refuses sequence parallelism (TE's does not): allowed where TE is missing
+assert (torch_norm.WrappedTorchNorm.__new__ is original_norm_new) == with_te
 assert torch.matmul is original_matmul
 assert torch._C._len_torch_function_stack() == 0
 assert state.backend() == "nccl"
@@ -31,10 +38,11 @@ print("GPU-PATH-UNTOUCHED")
 """
 
 
-def test_adaptation_is_inactive_when_cuda_is_available():
+@pytest.mark.parametrize("transformer_engine", ["with-te", "without-te"])
+def test_adaptation_is_inactive_when_cuda_is_available(transformer_engine):
     result = subprocess.run(
-        [sys.executable, "-c", _GPU_PATH_PROBE], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
-    )
+        [sys.executable, "-c", _GPU_PATH_PROBE, transformer_engine], cwd=REPO_ROOT, capture_output=True, text=True,
+        timeout=120)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "GPU-PATH-UNTOUCHED" in result.stdout
 

@@ -201,3 +201,36 @@ def test_offloaded_parts_leave_the_gpu_outside_their_phase():
     assert "actor/optimizer" not in by_phase["rollout"].items and "actor/grads" not in by_phase["rollout"].items
     assert "actor/optimizer" in by_phase["update_actor"].items
     assert by_phase["update_actor"].total_bytes == {p.phase: p for p in resident.phases}["update_actor"].total_bytes
+
+
+@pytest.mark.parametrize("free_gib, weights_gib, fraction", [(78.6, 16.4, 0.38), (139.3, 7.1, 0.6), (40.0, 20.0, 0.55)])
+def test_the_engines_pool_is_sglangs_own_rule(free_gib, weights_gib, fraction):
+    """SGLang 0.5.23 sizes its KV cache in ``srt/mem_cache/kv_cache_configurator.py``,
+    ``_profile_available_bytes`` (the two lines computing ``rest_memory``, L3007 and L3038):
+    ``rest_memory = available - pre_model_load_memory * (1 - mem_fraction_static)``, ``available`` being
+    the memory free after the weights are loaded and ``pre_model_load_memory`` the memory free before
+    (``srt/distributed/bootstrap.py``, ``measure_pre_model_load_memory``, L193-223). Written here as
+    SGLang writes it; the planner's pool is the weights plus that KV cache."""
+    from launch.memory_model import sglang_static_pool_bytes
+
+    pre_model_load_memory = free_gib
+    available = pre_model_load_memory - weights_gib
+    rest_memory = available - pre_model_load_memory * (1 - fraction)
+    assert sglang_static_pool_bytes(free_gib * 2**30, fraction) == pytest.approx((weights_gib + rest_memory) * 2**30)
+
+
+def test_the_engine_starts_on_the_gpu_less_two_cuda_contexts():
+    """Started before any training model, the engine finds the GPU less the trainer's and its own CUDA
+    context free; its pool, CUDA graphs and the contexts are what the rollout phase adds."""
+    architecture = known("qwen2.5-7b")
+    common = dict(architecture=architecture, layout=ParallelLayout(4), data_parallel_size=2, trainable=True,
+                  train_tokens_per_microbatch=4096, forward_tokens_per_microbatch=4096, sequence_length=1024)
+    rollout = RolloutMemoryConfig(tensor_model_parallel_size=2, gpu_memory_utilization=0.4,
+                                  sequences_per_step=64, sequence_length=1024)
+    gpu, context, graphs = 81559 * 2**20, 2**29, 2**30
+    plan = estimate_memory([ModelMemoryConfig(role="actor", **common)], rollout, 8, gpu, 0, context_bytes=context,
+                           cuda_graph_bytes=graphs)
+    phases = {phase.phase: phase.items for phase in plan.phases}
+    assert phases["rollout"]["rollout/weights+kv_cache"] == pytest.approx(0.4 * (gpu - 2 * context))
+    assert phases["rollout"]["rollout/cuda_graphs"] == graphs and "rollout/cuda_graphs" not in phases["update_actor"]
+    assert all(items["cuda_contexts"] == 2 * context for items in phases.values())

@@ -16,6 +16,7 @@ from launch import prepare_smollm2_example
 from launch.plan import KNOWN_ARCHITECTURES
 from launch.rehearse import _generation_tp, plan_rehearsal, tiny_model_config, write_tiny_model
 from launch.rehearse import rehearse as plan_only
+from tests import memory_events
 from tests.distributed import REPO_ROOT
 from tests.rollout_support import SGLANG_MARKS
 
@@ -176,6 +177,11 @@ def test_every_experiment_rehearses(experiment, demo_model, tmp_path, monkeypatc
                           "actor_rollout_ref.rollout.name", "algorithm.adv_estimator"}
     assert report["world_size"] <= 4 and report["result"]["timing_s/step"] > 0
     assert "passed: 2 steps" in result.stdout
+    # The memory choreography on every rank, as the run recorded it (colocated engines).
+    rehearsed = load_config(tmp_path / "rehearsal.yaml", world_size=report["world_size"])
+    if rehearsed.actor_rollout_ref.rollout.mode == "colocated":
+        memory_events.check_run(rehearsed, {rank: tmp_path / "run" / "logs" / f"rank_{rank:05d}.log"
+                                            for rank in range(report["world_size"])}, steps=2)
     _PASSED[identity] = experiment
 
 

@@ -75,6 +75,22 @@ def test_reshard_on_4_ranks(tiny_llama_dir, tmp_path):
     assert by_case["1,2,0,2"]["sharded"]["received"] == 0
     # Zero redundancy: a sharded target gets 1/tg of what the full target gets, or less.
     assert by_case["2,2,0,2"]["sharded"]["received"] < by_case["2,2,0,2"]["full"]["received"] / 2
+    # What launch.plan reports for the loop's sync (whole tensors, fp32 here) is what rank 0 received.
+    for case, record in by_case.items():
+        assert planned_received_bytes(tiny_llama_dir, case, world_size=4)[0] == record["full"]["received"], case
+
+
+def planned_received_bytes(model_dir, case: str, world_size: int) -> dict[int, int]:
+    from engine.models.hf_config import architecture_from_hf, load_hf_config
+    from launch.plan import weight_sync_received_bytes
+    from parallel.layout import ParallelLayout
+    from tests.dist_workers.reshard_sync import parse_case
+
+    pp, tp, vpp, tg, ep, etp = parse_case(case)
+    layout = ParallelLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                            virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
+                            expert_tensor_parallel_size=etp)
+    return weight_sync_received_bytes(architecture_from_hf(load_hf_config(model_dir)), layout, world_size, tg, "float32")
 
 
 def test_reshard_on_8_ranks(tiny_llama_dir, tmp_path):
@@ -116,8 +132,12 @@ def test_moe_reshard_on_4_ranks(tiny_qwen3_moe_dir, tmp_path):
 @requires_sglang
 def test_reshard_into_real_sglang_servers(tiny_qwen3_dir, tmp_path):
     # (pp1,tp2)->tp_gen1: each rank all-gathers the other's TP shards and pushes them bucket by bucket
-    # into its own SGLang server (2 servers); greedy generation equals HF with the exported weights.
-    # Qwen3: its per-head q/k norms (replicated tensors) and decoupled head_dim reach the server too
-    # (the Llama push into SGLang: tests/test_rollout_sglang.py).
-    (record,) = run_cases(tiny_qwen3_dir, tmp_path, 2, ["1,2,0,1"], engine="sglang")
-    assert record["prompts_checked"] > 0 and record["max_log_prob_difference"] < 1e-4
+    # into its own SGLang server (2 servers). (pp1,tp2)->tp_gen2: one server at TP2, whose TP rank g
+    # gets the payload that training rank g serialized itself (its pid is in the payload's
+    # shared-memory file name), one request per bucket from the leader. Both: greedy generation
+    # equals HF with the exported weights. Qwen3: its per-head q/k norms (replicated tensors) and
+    # decoupled head_dim reach the server too (the Llama push into SGLang: tests/test_rollout_sglang.py).
+    by_rank, per_rank = run_cases(tiny_qwen3_dir, tmp_path, 2, ["1,2,0,1", "1,2,0,2"], engine="sglang")
+    for record in (by_rank, per_rank):
+        assert record["prompts_checked"] > 0 and record["max_log_prob_difference"] < 1e-4
+    assert "per_rank_payloads_checked" not in by_rank and per_rank["per_rank_payloads_checked"] > 1

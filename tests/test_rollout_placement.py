@@ -108,3 +108,20 @@ def test_engine_config_refuses_shared_or_short_gpu_lists():
     with pytest.raises(ValueError, match="must hold rollout.tensor_model_parallel_size=2"):
         SGLangRolloutConfig(model_path="m", run_dir="r", rollout=RolloutConfig(tensor_model_parallel_size=2),
                             replica_gpus=((0,),))
+
+
+def test_colocated_server_environment_releases_cuda_graphs_and_drops_the_trainers_allocator_settings(
+        monkeypatch, tmp_path):
+    """SGLang's memory saver refuses expandable segments, and captures CUDA graphs into its
+    releasable "cuda_graph" region only with SGLANG_MEMORY_SAVER_CUDA_GRAPH; servers of their own keep
+    their memory and need neither."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    (_, args, env), = server_commands(hybrid(tp=1, pp=1, dp=1, tg=1), 1, monkeypatch, tmp_path)
+    assert "--enable-memory-saver" in args and env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "true"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in env and "PYTORCH_ALLOC_CONF" not in env
+    own = SGLangServer(SGLangServerConfig(model_path=str(tmp_path), log_path=tmp_path / "log", gpu_ids=(1,),
+                                          rollout=RolloutConfig(mode="disaggregated", num_gpus=1)))
+    args, env = own.command()
+    assert "--enable-memory-saver" not in args and "SGLANG_MEMORY_SAVER_CUDA_GRAPH" not in env
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in env

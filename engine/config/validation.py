@@ -51,7 +51,7 @@ def validate(config: ExperimentConfig, world_size: int | None = None) -> None:
                        rollout_tensor_parallel_size=config.actor_rollout_ref.rollout.tensor_model_parallel_size)
     _check_rollout(config, training_world)
     _check_actor_batches(config, actor_dp)
-    if config.algorithm.uses_critic:
+    if config.built_models().critic:
         _check_critic_layout(config)
         _check_model_shape("critic.model.path", config.critic.model.path, "critic.megatron", config.critic.megatron)
         _check_critic_batches(config, actor_dp)
@@ -108,9 +108,8 @@ def _check_choices(config: ExperimentConfig) -> None:
 def _check_sglang_installed(config: ExperimentConfig) -> None:
     """SGLang runs the rollout servers and a judge Trident starts; the trainers also use its
     weight-update helpers. Without it, say how to install it rather than fail at start-up."""
-    judge = config.reward_model.judge
     users = [f"{ROLLOUT}.name='sglang'"] if config.actor_rollout_ref.rollout.name == "sglang" else []
-    users += ["reward_model.judge (a server of judge.model.path)"] if judge.enable and judge.url is None else []
+    users += ["reward_model.judge (a server of judge.model.path)"] if config.built_models().judge_server else []
     if users and importlib.util.find_spec("sglang") is None:
         raise ConfigError(
             f"{' and '.join(users)} need(s) SGLang, which is not installed in this Python ({sys.executable}). "
@@ -588,7 +587,7 @@ def _check_actor_batches(config: ExperimentConfig, actor_dp: int) -> None:
     dynamic = arr.actor.use_dynamic_bsz
     _check_ppo_batches(ACTOR, arr.actor, actor_dp, dynamic, config)
     _check_log_prob_batches(ROLLOUT, arr.rollout, dynamic, config, actor_dp)
-    if arr.actor.use_kl_loss or config.algorithm.use_kl_in_reward:
+    if config.built_models().kl_reference:
         _check_log_prob_batches("actor_rollout_ref.ref", arr.ref, dynamic, config, actor_dp)
 
 

@@ -32,6 +32,14 @@ def use_transformer_engine() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
+def fused_weight_gradients() -> bool:
+    """Whether trained models accumulate weight gradients straight into megatron's fp32 ``main_grad``
+    buffers (``gradient_accumulation_fusion``): TE's layers do it themselves, and megatron's own
+    output layer needs APEX's ``fused_weight_gradient_mlp_cuda`` for it (it refuses the flag
+    without that extension), so both must be there."""
+    return use_transformer_engine() and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
 def recompute_settings(gradient_checkpointing: bool) -> dict[str, Any]:
     """TransformerConfig keys for ``model.enable_gradient_checkpointing``: megatron's full
     activation recompute of every layer (each layer keeps only its input for the backward pass)."""

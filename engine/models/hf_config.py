@@ -356,7 +356,7 @@ def transformer_config_from_hf(
         masked_softmax_fusion=fused,
         persist_layer_norm=fused,
         apply_rope_fusion=fused,
-        gradient_accumulation_fusion=False,  # needs apex/TE fused wgrad kernels and main_grad buffers
+        gradient_accumulation_fusion=False,  # trained models on GPU: engine.models.gpt.fused_weight_gradients
     )
     if architecture.moe is not None:
         config.update(_moe_settings(architecture, fused, moe_aux_loss_coeff))

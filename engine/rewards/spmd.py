@@ -18,6 +18,7 @@ import torch.distributed as dist
 from engine.config.reward_model import RewardConfig
 from engine.rewards.manager import RewardManager, RewardResult, batch_items
 from engine.rewards.scoring import ScoredSample
+from parallel.state import control_group
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -38,7 +39,7 @@ def score_on_all_ranks(manager: RewardManager, responses: Sequence[str], data_so
     items = batch_items(responses, data_sources, ground_truths, extra_infos)
     if manager.config.num_workers > 0 and dist.is_initialized() and dist.get_world_size() > 1:
         box: list[list[ScoredSample] | None] = [manager.score_items(items) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=control_group())  # the others wait while rank 0 scores
         scored = box[0]
     else:
         scored = strided_on_all_ranks(manager.score_items, items)
@@ -53,7 +54,7 @@ def strided_on_all_ranks(work: Callable[[list[T]], list[R]], items: Sequence[T])
         return work(list(items))
     rank, world = dist.get_rank(), dist.get_world_size()
     shares: list[list[R] | None] = [None] * world
-    dist.all_gather_object(shares, work(list(items[rank::world])))
+    dist.all_gather_object(shares, work(list(items[rank::world])), group=control_group())
     results: list = [None] * len(items)
     for owner, share in enumerate(shares):
         results[owner::world] = share

@@ -33,9 +33,9 @@ FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
 # What a colocated engine gives back to training, by SGLang's names for them (its memory saver's
-# tags): the served weights and the KV cache.
-WEIGHTS, KV_CACHE = "weights", "kv_cache"
-MEMORY_TAGS: tuple[str, ...] = (WEIGHTS, KV_CACHE)
+# tags, sglang/srt/constants.py): the served weights, the KV cache and the captured CUDA graphs.
+WEIGHTS, KV_CACHE, CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"
+MEMORY_TAGS: tuple[str, ...] = (WEIGHTS, KV_CACHE, CUDA_GRAPH)
 
 
 class RolloutError(RuntimeError):
@@ -213,8 +213,8 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         """Take the memory of ``tags`` back after ``release_memory``. The order SGLang needs for a
-        weight sync is: resume weights, push the weights, resume the KV cache (the cache is only
-        allocated once the weights are in place, so the two never peak together)."""
+        weight sync is: resume weights, push the weights, resume the KV cache and CUDA graphs (the
+        cache is only allocated once the weights are in place, so the two never peak together)."""
 
     @abc.abstractmethod
     def pause_generation(self, mode: PauseMode = "abort") -> None:

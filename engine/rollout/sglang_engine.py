@@ -5,7 +5,12 @@ over the replicas) so each server can batch them. Weights are pushed bucket by b
 ``/begin_weight_update`` .. ``/end_weight_update`` session, by one of two transports:
 
 - ``"tensor"`` (colocated): ``/update_weights_from_tensor``; each bucket is flattened into one
-  buffer and passed by handle (CUDA IPC on GPU, shared memory on CPU), one payload per TP rank.
+  buffer and passed by handle (CUDA IPC on GPU, shared memory on CPU), one payload per TP rank. In a
+  PPO run every generation rank serializes the bucket it holds itself (``serialize_weights``) and the
+  replica's leader sends the payloads in TP order (``push_serialized_weights``), so each SGLang TP
+  worker opens a handle into its own GPU's memory (SGLang's ``srt/weight_sync/utils.py``, slime's
+  ``update_weight_from_tensor.py``); ``push_weights`` serializes once per TP rank in this process,
+  for callers that hold every tensor themselves.
 - ``"distributed"`` (servers elsewhere): this process is rank 0 of a weight-update group
   (``/init_weights_update_group``; NCCL on GPU, gloo on CPU) and broadcasts each flattened bucket
   while ``/update_weights_from_distributed`` receives it. A server that rejects the update never
@@ -103,6 +108,32 @@ class SGLangRolloutConfig:
             raise ValueError(f"SGLangRolloutConfig.replica_gpus={self.replica_gpus} gives a GPU to two servers")
         if self.weight_transport not in ("tensor", "distributed"):
             raise ValueError(f"SGLangRolloutConfig.weight_transport={self.weight_transport!r} must be 'tensor' or 'distributed'")
+
+
+def serialize_weights(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor]:
+    """One ``/update_weights_from_tensor`` payload of ``named_tensors``, made by this process: the
+    tensors flattened into one fresh buffer (bounded by the bucket size: the caller's tensors are never
+    moved into shared memory) and passed by handle, a CUDA IPC handle into this process's GPU memory
+    or, on CPU, a shared-memory file this process created. Returns the payload and the buffer, which
+    must stay alive until the server has loaded it."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    bucket = FlattenedTensorBucket(named_tensors=[(name, t.detach().contiguous()) for name, t in named_tensors])
+    flat = bucket.get_flattened_tensor()
+    if flat.device.type == "cpu":
+        # CPU tensors travel as shared-memory files; the default fd-passing strategy makes the
+        # receiving scheduler fail its authentication handshake.
+        torch.multiprocessing.set_sharing_strategy("file_system")
+    else:
+        # CUDA IPC handles name the device by index, and the server sees other indices (its
+        # CUDA_VISIBLE_DEVICES holds only its replica's GPUs): SGLang's patch sends the device's
+        # UUID instead; its scheduler applies the same patch on the receiving side.
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        monkey_patch_torch_reductions()
+    payload = {"flattened_tensor": flat, "metadata": bucket.get_metadata()}
+    return MultiprocessingSerializer.serialize(payload, output_str=True), flat
 
 
 def checkpoint_tensor_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
@@ -253,14 +284,14 @@ class SGLangRolloutEngine(RolloutEngine):
 
     # ----------------------------------------------------------------------------- weights
 
-    def _validate_bucket(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def _validate_bucket(self, named_shapes: Sequence[tuple[str, Sequence[int]]]) -> None:
         # A name the model lacks would make SGLang's loader raise inside the scheduler: check here.
-        for name, tensor in named_tensors:
+        for name, shape in named_shapes:
             expected = self.tensor_shapes.get(name)
             if expected is None:
                 raise WeightUpdateError(f"weight {name!r} is not in the checkpoint of {self.config.model_path}")
-            if tuple(tensor.shape) != expected:
-                raise WeightUpdateError(f"weight {name!r} has shape {tuple(tensor.shape)}, the checkpoint has {expected}")
+            if tuple(shape) != expected:
+                raise WeightUpdateError(f"weight {name!r} has shape {tuple(shape)}, the checkpoint has {expected}")
 
     def begin_weight_update(self) -> None:
         if self._in_weight_update:
@@ -278,39 +309,33 @@ class SGLangRolloutEngine(RolloutEngine):
         named_tensors = list(named_tensors)
         if not named_tensors:
             return
-        self._validate_bucket(named_tensors)
+        self._validate_bucket([(name, tensor.shape) for name, tensor in named_tensors])
         if self._session_transport == "tensor":
             self._push_by_tensor_handles(named_tensors)
         else:
             self._push_by_broadcast(named_tensors)
 
     def _push_by_tensor_handles(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        from sglang.srt.utils import MultiprocessingSerializer
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-
-        # The flat buffer is a fresh copy (bounded by the bucket size): the caller's tensors are
-        # never moved into shared memory.
-        bucket = FlattenedTensorBucket(named_tensors=[(name, t.detach().contiguous()) for name, t in named_tensors])
-        flat = bucket.get_flattened_tensor()
-        if flat.device.type == "cpu":
-            # CPU tensors travel as shared-memory files; the default fd-passing strategy makes the
-            # receiving scheduler fail its authentication handshake.
-            torch.multiprocessing.set_sharing_strategy("file_system")
-        else:
-            # CUDA IPC handles name the device by index, and the server sees other indices (its
-            # CUDA_VISIBLE_DEVICES holds only its replica's GPUs): SGLang's patch sends the device's
-            # UUID instead; its scheduler applies the same patch on the receiving side.
-            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-            monkey_patch_torch_reductions()
-        payload = {"flattened_tensor": flat, "metadata": bucket.get_metadata()}
-        tp = self.config.rollout.tensor_model_parallel_size
         # One serialization per TP rank: each rank must open its own handle (CUDA IPC refcounts).
-        request = {
-            "serialized_named_tensors": [MultiprocessingSerializer.serialize(payload, output_str=True) for _ in range(tp)],
-            "load_format": "flattened_bucket",
-            "flush_cache": False,
-        }
+        payloads, flats = zip(*(serialize_weights(named_tensors) for _ in range(self.config.rollout.tensor_model_parallel_size)))
+        self._post_payloads(list(payloads))
+        del flats  # the servers have loaded them
+
+    def push_serialized_weights(self, named_shapes: Sequence[tuple[str, tuple[int, ...]]], payloads: Sequence[str]) -> None:
+        """Push one bucket that every TP rank of the replica serialized itself (``serialize_weights``):
+        ``payloads[g]`` goes to the server's TP rank g. ``named_shapes``: the bucket's tensors, checked
+        against the checkpoint as ``push_weights`` checks them. The payloads' tensors must stay alive
+        in their processes until this returns."""
+        if not self._in_weight_update or self._session_transport != "tensor":
+            raise WeightUpdateError("push_serialized_weights() outside a tensor-transport weight-update session")
+        if len(payloads) != self.config.rollout.tensor_model_parallel_size:
+            raise WeightUpdateError(f"{len(payloads)} payloads for a server of "
+                                    f"tensor_model_parallel_size={self.config.rollout.tensor_model_parallel_size}")
+        self._validate_bucket(named_shapes)
+        self._post_payloads(list(payloads))
+
+    def _post_payloads(self, payloads: list[str]) -> None:
+        request = {"serialized_named_tensors": payloads, "load_format": "flattened_bucket", "flush_cache": False}
         self._weight_request_on_all_servers("/update_weights_from_tensor", request)
 
     def _init_weight_update_group(self) -> None:

@@ -163,8 +163,16 @@ class SGLangServer:
         if needs_cpu_adaptation():
             args, env = adapt_server_for_cpu(args, env, cfg.rollout.tensor_model_parallel_size)
         else:
+            # SGLang's memory saver refuses expandable segments, and a trainer's allocator settings
+            # are no business of the server's (slime drops both variables the same way).
+            # CUDA_DEVICE_MAX_CONNECTIONS is the trainer's (1, for megatron); SGLang sets its own.
+            for variable in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_DEVICE_MAX_CONNECTIONS"):
+                env.pop(variable, None)
             if cfg.rollout.mode == "colocated":  # release/resume memory occupation between phases
                 args.append("--enable-memory-saver")
+                # CUDA graphs are captured into the saver's "cuda_graph" region, and so released
+                # with the weights and KV cache, only with this (sglang/srt/environ.py; off by default).
+                env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "true"
             if cfg.gpu_ids:
                 env["CUDA_VISIBLE_DEVICES"] = visible_devices(cfg.gpu_ids, env.get("CUDA_VISIBLE_DEVICES"))
         args += list(cfg.extra_args)

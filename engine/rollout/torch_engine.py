@@ -309,7 +309,8 @@ class TorchRolloutEngine(RolloutEngine):
         ``resume_memory``, as with SGLang's memory saver) and the device's cached blocks.
 
         The KV cache lives only inside one ``generate`` call, so releasing it gives the allocator's
-        cache back to the device (nothing to do on CPU).
+        cache back to the device (nothing to do on CPU); transformers' ``generate`` captures no CUDA
+        graphs, so that tag frees nothing.
         """
         tags = check_memory_tags(tags)
         if WEIGHTS in tags and WEIGHTS not in self._released:

@@ -5,7 +5,10 @@
 
 Which ranks push: with the embedded engine or SGLang servers each generation replica has one
 engine handle, on its generation TP rank 0 (``sync.is_replica_leader``); the other ranks take part
-in the collectives and drop what they receive. ``ReshardTarget.FULL`` (the default) delivers full
+in the collectives and drop what they receive, except for a colocated SGLang server of generation
+TP > 1: there every generation rank serializes the bucket it received itself (a CUDA IPC handle
+into its own GPU) and the leader sends the handles in TP order, so that no SGLang TP worker reads
+another GPU's memory (SGLang's own ``srt/weight_sync/utils.py`` does the same). ``ReshardTarget.FULL`` (the default) delivers full
 HF tensors to every generation rank, which is what SGLang's loader and the embedded HF engine take;
 ``SHARDED`` delivers exactly each rank's generation shard, for consumers that place shards
 themselves (``iter_weight_shards``); ``sync`` refuses it for engines that only take full tensors.
@@ -26,6 +29,7 @@ import torch.distributed as dist
 from engine.config.actor_rollout_ref import RolloutConfig
 from engine.models.lora import merged_weights
 from engine.rollout.base import RolloutEngine, SamplingParams
+from engine.rollout.memory import hand_back_bucket, record
 from engine.sync.specs import local_parameters, parameter_specs, unwrap
 from parallel.hybrid_engine import (
     GenerationLayout,
@@ -42,7 +46,7 @@ from parallel.hybrid_engine import (
     fingerprints_of,
 )
 from parallel.layout import ParallelLayout
-from parallel.state import device
+from parallel.state import control_group, device
 
 
 
@@ -72,11 +76,9 @@ class WeightSynchronizer:
         self.overlap = overlap
         self.model_chunks = list(model_chunks)
         architecture = unwrap(self.model_chunks[0]).hf_architecture
-        training = TrainingLayout.from_parallel_layout(layout, dist.get_world_size())
         self.disaggregated = ReshardTarget(target) is ReshardTarget.STAGE
-        # Servers outside the world keep their own TP: no generation ranks to lay out here.
-        generation = GenerationLayout(1 if self.disaggregated else rollout.tensor_model_parallel_size)
-        self.layout = HybridLayout(training, generation)
+        self.layout = self.hybrid_layout(layout, rollout, target)
+        training = self.layout.training
         self.rank = dist.get_rank()
         coordinates = training.coordinates(self.rank)
         stage = coordinates.pipeline
@@ -93,10 +95,21 @@ class WeightSynchronizer:
         self._merged = merged_weights([unwrap(chunk) for chunk in self.model_chunks])
         self.executor = ReshardExecutor(self.plan, self.groups, self._local_shard, device=device())
         self.is_replica_leader = self.layout.generation_coordinates(self.rank).tensor == 0
+        self.serializes_per_rank = (rollout.name == "sglang" and not self.disaggregated
+                                    and self.layout.generation.tensor_model_parallel_size > 1)
         # The ranks that hand weights to an engine (the others only take part in the collectives).
         self.pushes_weights = (self.plan.sends_stage(stage, self.rank) and coordinates.tensor == 0
                                if self.disaggregated else self.is_replica_leader)
         self.traffic = self.plan.traffic(self.rank)
+
+    @staticmethod
+    def hybrid_layout(layout: ParallelLayout, rollout: RolloutConfig, target: str = "full") -> HybridLayout:
+        """The layouts this synchroniser plans between, known before any model exists: which rank
+        leads which generation replica, on which GPUs its engine runs."""
+        training = TrainingLayout.from_parallel_layout(layout, dist.get_world_size())
+        # Servers outside the world keep their own TP: no generation ranks to lay out here.
+        disaggregated = ReshardTarget(target) is ReshardTarget.STAGE
+        return HybridLayout(training, GenerationLayout(1 if disaggregated else rollout.tensor_model_parallel_size))
 
     def _local_shard(self, spec) -> torch.Tensor:
         merge = self._merged.get(spec.megatron_name)
@@ -123,19 +136,25 @@ class WeightSynchronizer:
         if engine is not None:
             engine.begin_weight_update()
         if self.disaggregated:
-            dist.barrier()  # rank 0 has opened the servers' session before any stage pushes into it
+            dist.barrier(group=control_group())  # rank 0 has opened the servers' session before any stage pushes
+        buckets = 0
         try:
             for bucket in self.iter_weight_shards(fingerprints=self.rollout.check_weight_sync):
-                if engine is not None:
+                if self.serializes_per_rank:
+                    push_seconds += self._push_serialized_by_every_rank(engine, bucket)
+                elif engine is not None:
                     start = time.perf_counter()
                     engine.push_weights([(shard.name, shard.tensor) for shard in bucket])
                     push_seconds += time.perf_counter() - start
                 del bucket
+                hand_back_bucket()
+                buckets += 1
             if self.disaggregated:
-                dist.barrier()  # every stage has pushed before rank 0 closes the session
+                dist.barrier(group=control_group())  # every stage has pushed before rank 0 closes the session
         finally:
             if engine is not None:
                 engine.end_weight_update()
+        record("push", buckets=buckets, pushed=engine is not None, cache_handed_back_after_each=True)
         report = WeightSyncReport(self.executor.stats, self.traffic.received, self.traffic.lower_bound, push_seconds)
         if self.rollout.check_weight_sync and engine is not None and hasattr(engine, "served_weight"):
             start = time.perf_counter()
@@ -143,6 +162,39 @@ class WeightSynchronizer:
             report.check_seconds = time.perf_counter() - start
             report.checked_by_fingerprint = True
         return report
+
+
+    def _push_serialized_by_every_rank(self, engine: RolloutEngine | None, bucket: list[WeightShard]) -> float:
+        """Every generation rank of the replica serializes the bucket it holds; the leader (holding
+        ``engine``) sends the payloads in TP order; every rank keeps its buffer until the server has
+        loaded it, then learns from the leader whether it did. Collective over the replica (its gloo
+        control group). Returns the leader's push time."""
+        from engine.rollout.sglang_engine import serialize_weights
+
+        named = [(shard.name, shard.tensor) for shard in bucket]
+        payload, flat = serialize_weights(named)
+        group = self.groups.generation_tensor_control
+        members = dist.get_process_group_ranks(group)
+        leader = next(rank for rank in members if self.layout.generation_coordinates(rank).tensor == 0)
+        gathered = [None] * len(members) if self.rank == leader else None
+        dist.gather_object(payload, gathered, dst=leader, group=group)
+        seconds, outcome = 0.0, [None]
+        if engine is not None:
+            by_tensor_rank = {self.layout.generation_coordinates(rank).tensor: item for rank, item in zip(members, gathered)}
+            start = time.perf_counter()
+            try:
+                engine.push_serialized_weights([(name, tuple(tensor.shape)) for name, tensor in named],
+                                               [by_tensor_rank[g] for g in range(len(members))])
+            except Exception as error:  # the other ranks wait for the outcome: tell them, then raise
+                outcome = [f"{type(error).__name__}: {error}"]
+                dist.broadcast_object_list(outcome, src=leader, group=group)
+                raise
+            seconds = time.perf_counter() - start
+        dist.broadcast_object_list(outcome, src=leader, group=group)
+        del flat  # the server has loaded it (or will not)
+        if outcome[0] is not None:
+            raise WeightSyncError(f"the generation replica's leader (rank {leader}) failed to push a bucket: {outcome[0]}")
+        return seconds
 
 
 def engine_weights(engine: RolloutEngine, names: Iterable[str]) -> dict[str, torch.Tensor] | None:

@@ -43,6 +43,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from parallel.state import control_group
+
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest"
@@ -89,7 +91,7 @@ def _world_size() -> int:
 
 def _barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=control_group())  # rank 0 may be writing, renaming, pruning meanwhile
 
 
 def _broadcast_from_rank0(value: Any) -> Any:
@@ -97,7 +99,7 @@ def _broadcast_from_rank0(value: Any) -> Any:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=control_group())
     return box[0]
 
 

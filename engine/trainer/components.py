@@ -1,8 +1,10 @@
 """Everything the PPO loop needs, built from the experiment config on every rank (SPMD).
 
-Order matters only where the hardware does: process groups first, then models (each rank reads
-only its slices of the HF checkpoint), then the rollout engine (one per generation replica, on
-the replica's leader rank) and the weight synchroniser between them.
+Order matters where the hardware does: process groups first; then a colocated rollout engine (one
+per generation replica, on the replica's leader rank), which releases all its memory at once,
+before any training model exists (SGLang sizes its KV cache from the memory free when it starts:
+``engine.rollout.memory``); then the models (each rank reads only its slices of the HF checkpoint)
+and the weight synchroniser between actor and engine.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from engine.rewards.manager import RewardManager
 from engine.rewards.reward_model import RewardModelScorer
 from engine.rewards.spmd import reward_manager_for_this_rank
 from engine.roles import MegatronActor, MegatronCritic, MicroBatchConfig, ReferencePolicy
-from engine.rollout.base import RolloutEngine
+from engine.rollout.base import MEMORY_TAGS, RolloutEngine
+from engine.rollout.memory import record
 from engine.rollout.sglang_launch import API_KEY_ENV
 from engine.rollout.sglang_server import SGLangServer
 from engine.sync import WeightSynchronizer
@@ -37,7 +40,7 @@ from engine.trainer.rollout import RolloutAhead
 from engine.trainer.run_dir import RunDirectory
 from parallel.hybrid_engine import HybridLayout
 from parallel.offload import PARTS as OFFLOAD_PARTS
-from parallel.state import address_towards
+from parallel.state import address_towards, control_group, control_group_like
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ class PPOComponents:
     kl_controller: Any
     checkpoints: CheckpointManager
     total_training_steps: int
-    data_parallel_group: Any
+    data_parallel_control_group: Any  # the data-parallel ranks on gloo (parallel.state.control_groups)
     # The batch the servers generate while the trainer trains (trainer.max_staleness=1).
     rollout_ahead: RolloutAhead = field(default_factory=RolloutAhead)
 
@@ -85,7 +88,7 @@ class PPOComponents:
         return targets
 
 
-def _build_model(model: ModelConfig, megatron: MegatronConfig, value_head: bool, trained: bool = True):
+def _build_model(model: ModelConfig, megatron: MegatronConfig, value_head: bool, trained: bool = True, *, role: str):
     """This rank's chunks of ``model.path`` in ``megatron.param_dtype``, HF weights loaded.
 
     The model is initialised under its own ``megatron.seed`` (only the critic's value head keeps its
@@ -95,7 +98,7 @@ def _build_model(model: ModelConfig, megatron: MegatronConfig, value_head: bool,
     from megatron.core import tensor_parallel
 
     from engine.models.checkpoint import CheckpointError, load_hf_weights
-    from engine.models.gpt import build_model_chunks, recompute_settings
+    from engine.models.gpt import build_model_chunks, fused_weight_gradients, recompute_settings
     from engine.models.lora import add_lora
 
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
@@ -106,6 +109,7 @@ def _build_model(model: ModelConfig, megatron: MegatronConfig, value_head: bool,
         chunks = build_model_chunks(model.path, megatron.layout(), value_head=value_head, initialize_weights=True,
                                     params_dtype=getattr(torch, megatron.param_dtype),
                                     moe_aux_loss_coeff=megatron.moe_aux_loss_coeff if trained else 0.0,
+                                    gradient_accumulation_fusion=trained and fused_weight_gradients(),
                                     **recompute_settings(trained and model.enable_gradient_checkpointing))
     missing = load_hf_weights(chunks, model.path)
     lora = model.lora_settings(megatron.seed) if trained else None
@@ -115,6 +119,7 @@ def _build_model(model: ModelConfig, megatron: MegatronConfig, value_head: bool,
     if value_head and not trained and "output_layer.weight" in missing:
         raise CheckpointError(f"{model.path} has no score head (score.weight): the reward model must be a "
                               f"*ForSequenceClassification checkpoint with num_labels=1")
+    record("build_model", role=role)
     return chunks
 
 
@@ -145,11 +150,18 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
                          f"data.train_batch_size={data.train_batch_size}")
     total_steps = cfg.trainer.total_training_steps or batches_per_epoch * cfg.trainer.total_epochs
     # The actor sits out the critic's warm-up iterations; its LR schedule spans the ones it trains.
-    actor_iterations = max(1, total_steps - (cfg.critic.warmup_steps if cfg.algorithm.uses_critic else 0))
+    built = cfg.built_models()
+    actor_iterations = max(1, total_steps - (cfg.critic.warmup_steps if built.critic else 0))
 
     n, seed, actor = arr.rollout.n, cfg.trainer.seed, arr.actor
+    disaggregated = arr.rollout.mode == "disaggregated"
+    sync_target = "stage" if disaggregated else "full"
+    engine = None
+    if not disaggregated:
+        engine = _start_colocated_engine(cfg, run, WeightSynchronizer.hybrid_layout(actor.megatron.layout(), arr.rollout,
+                                                                                    sync_target))
     actor_role = MegatronActor(
-        _build_model(arr.model, actor.megatron, value_head=False), actor,
+        _build_model(arr.model, actor.megatron, value_head=False, role="actor"), actor,
         log_prob_batches=MicroBatchConfig.of(arr.rollout.log_prob_micro_batch_size_per_gpu, actor.use_dynamic_bsz,
                                              arr.rollout.log_prob_max_token_len_per_gpu),
         samples_per_prompt=n, total_optimizer_steps=_optimizer_steps(actor_iterations, actor, data), seed=seed,
@@ -158,33 +170,30 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
     if arr.model.lora_rank:
         say(f"[trident] actor: {describe_lora(actor_role.model_chunks)}")
     reference = None
-    if cfg.algorithm.use_kl_in_reward or actor.use_kl_loss:
+    if built.kl_reference:
         # With LoRA the reference is the actor with its adapters off: no second copy of the base.
-        chunks = actor_role.model_chunks if arr.model.lora_rank else _build_model(arr.model, actor.megatron,
-                                                                                  value_head=False, trained=False)
+        chunks = actor_role.model_chunks if not built.reference else _build_model(
+            arr.model, actor.megatron, value_head=False, trained=False, role="reference")
         reference = ReferencePolicy(chunks, arr.ref, use_dynamic_bsz=actor.use_dynamic_bsz,
                                     use_remove_padding=arr.model.use_remove_padding,
                                     actor_offloader=actor_role.offloader if arr.model.lora_rank else None)
 
     critic = None
-    if cfg.algorithm.uses_critic:
-        critic = MegatronCritic(_build_model(cfg.critic.model, cfg.critic.megatron, value_head=True), cfg.critic,
+    if built.critic:
+        critic = MegatronCritic(_build_model(cfg.critic.model, cfg.critic.megatron, value_head=True, role="critic"),
+                                cfg.critic,
                                 samples_per_prompt=n, total_optimizer_steps=_optimizer_steps(total_steps, cfg.critic, data),
                                 seed=seed)
 
     reward_model = None
-    if cfg.reward_model.enable:
+    if built.reward_model:
         reward_model = _build_reward_model(cfg, tokenizer)
 
-    disaggregated = arr.rollout.mode == "disaggregated"
-    weight_sync = WeightSynchronizer(actor_role.model_chunks, actor.megatron.layout(), arr.rollout,
-                                     target="stage" if disaggregated else "full")
+    weight_sync = WeightSynchronizer(actor_role.model_chunks, actor.megatron.layout(), arr.rollout, target=sync_target)
     if disaggregated:
         engine = _start_disaggregated_servers(cfg, run, weight_sync.pushes_weights)
-    else:
-        engine = _build_engine(cfg, run, weight_sync.layout) if weight_sync.is_replica_leader else None
     judge, judge_server = _start_judge(cfg, run) if cfg.reward_model.judge.enable else (None, None)
-    dist.barrier()
+    dist.barrier(group=control_group())
     _report_offload({"actor": actor_role, "reference": reference, "critic": critic})
 
     return PPOComponents(
@@ -193,7 +202,8 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
         reward_model=reward_model, judge=judge, judge_server=judge_server,
         kl_controller=build_kl_controller(cfg.algorithm.kl_ctrl),
         checkpoints=CheckpointManager(run.checkpoints_dir, max_ckpt_to_keep=cfg.trainer.max_ckpt_to_keep),
-        total_training_steps=total_steps, data_parallel_group=parallel_state.get_data_parallel_group(),
+        total_training_steps=total_steps,
+        data_parallel_control_group=control_group_like(parallel_state.get_data_parallel_group()),
     )
 
 
@@ -229,7 +239,7 @@ def _build_reward_model(cfg: ExperimentConfig, policy_tokenizer) -> RewardModelS
     from engine.roles.reward_model import MegatronRewardModel
 
     section = cfg.reward_model
-    chunks = _build_model(section.model, section.megatron, value_head=True, trained=False)
+    chunks = _build_model(section.model, section.megatron, value_head=True, trained=False, role="reward_model")
     tokenizer = AutoTokenizer.from_pretrained(section.model.tokenizer_path,
                                               trust_remote_code=section.model.trust_remote_code)
     return RewardModelScorer(MegatronRewardModel(chunks, section), RewardModelInputs(policy_tokenizer, tokenizer))
@@ -253,7 +263,7 @@ def _start_judge(cfg: ExperimentConfig, run: RunDirectory) -> tuple[JudgeClient,
         server.wait_until_ready()
         box = [server.url, str(server.log_path)]
     if judge.url is None:
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=control_group())
     say(f"[trident] LLM judge: {box[0]}" + (f" (SGLang server, log {box[1]})" if box[1] else ""))
     return JudgeClient(judge, box[0], server_log=box[1]), server
 
@@ -285,7 +295,7 @@ def _start_disaggregated_servers(cfg: ExperimentConfig, run: RunDirectory, pushe
         _register_server_metrics(cfg, run, engine)
         addresses = [[f"{server.config.host}:{server.port}" for server in engine.servers]]
         say(f"[trident] {servers} rollout server(s) of their own: {', '.join(addresses[0])} (logs in {run.rollout_dir})")
-    dist.broadcast_object_list(addresses, src=0)
+    dist.broadcast_object_list(addresses, src=0, group=control_group())
     if pushes_weights and engine is None:
         engine = create_rollout_engine(rollout, model.path, attach_to=tuple(addresses[0]), **launch)
     return engine
@@ -327,6 +337,20 @@ def _server_gpus(rollout, servers: int) -> tuple[tuple[int, ...], ...]:
         raise ValueError(f"actor_rollout_ref.rollout.num_gpus={rollout.num_gpus}: the node has "
                          f"{torch.cuda.device_count()} GPUs and the trainer uses {first} of them")
     return tuple(tuple(range(first + i * tp, first + (i + 1) * tp)) for i in range(servers))
+
+
+def _start_colocated_engine(cfg: ExperimentConfig, run: RunDirectory, layout: HybridLayout) -> RolloutEngine | None:
+    """This generation replica's engine on its leader rank (None elsewhere), started before any
+    training model and left with all its memory released; collective. The other ranks wait on the
+    control group (gloo, ``trainer.collective_timeout_minutes``) while the leaders start servers."""
+    engine = None
+    if layout.generation_coordinates(dist.get_rank()).tensor == 0:
+        engine = _build_engine(cfg, run, layout)
+        record("start_engine", engine=cfg.actor_rollout_ref.rollout.name)
+        engine.release_memory(MEMORY_TAGS)
+        record("release", tags=list(MEMORY_TAGS))
+    dist.barrier(group=control_group())
+    return engine
 
 
 def _build_engine(cfg: ExperimentConfig, run: RunDirectory, layout: HybridLayout) -> RolloutEngine:

@@ -26,12 +26,13 @@ from engine.rewards.combine import RewardScores, combine_rewards
 from engine.rewards.manager import decode_responses, token_level_scores
 from engine.rewards.spmd import score_on_all_ranks
 from engine.roles import RolloutBatch
-from engine.rollout.base import KV_CACHE, MEMORY_TAGS, WEIGHTS, SamplingParams
+from engine.rollout.base import CUDA_GRAPH, KV_CACHE, MEMORY_TAGS, WEIGHTS, SamplingParams
+from engine.rollout.memory import hand_back_cache, record
 from engine.sync import check_rollout_log_probs
 from engine.trainer.checkpoint import export_hf_model
 from engine.trainer.components import PPOComponents, build_components
-from engine.trainer.flops import DecoderShape, model_flops_utilization, peak_flops_per_device, training_flops
 from engine.trainer.console import say
+from engine.trainer.flops import DecoderShape, model_flops_utilization, peak_flops_per_device, training_flops
 from engine.trainer.profiling import StepProfiler
 from engine.trainer.rollout import generate
 from engine.trainer.run_dir import RunDirectory
@@ -51,8 +52,7 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
     parts = build_components(cfg, run)
     with parts.trained_models_resident():
         step = resume_from_checkpoint(cfg, parts)
-    with parts.actor.offloader.resident("params"):
-        parts.weight_sync.sync(parts.engine)  # the engine serves exactly the (possibly resumed) actor
+    hand_over_weights(parts)  # the engine (started released) serves exactly the (possibly resumed) actor
     tracker = Tracker(trainer.logger, run=run, total_steps=parts.total_training_steps, start_step=step,
                       project=trainer.project_name, experiment=trainer.experiment_name,
                       config=OmegaConf.to_container(OmegaConf.structured(cfg)), prometheus_port=trainer.prometheus_port)
@@ -120,10 +120,10 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
     """One PPO iteration on this rank's share of the global prompt batch; ``upcoming`` (one step
     off-policy): the next batch, which the servers generate while this one trains.
 
-    Memory choreography (colocated rollout): the engine holds its weights and KV cache only to
-    generate; it releases both before the training phases and takes them back for the weight
-    sync in SGLang's order (weights, push, KV cache), so rollout and training never peak together.
-    Servers of their own keep theirs; they only have to be idle for the push.
+    Memory choreography (colocated rollout, ``engine.rollout.memory``): the engine holds its
+    weights, KV cache and CUDA graphs only to generate; it releases them before the training phases
+    and takes them back for the weight sync (``hand_over_weights``), so rollout and training never
+    peak together. Servers of their own keep theirs; they only have to be idle for the push.
     """
     metrics: dict[str, float] = {}
     start = time.perf_counter()
@@ -181,10 +181,7 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
         metrics["perf/mfu/actor"] = _actor_update_mfu(cfg, parts, batch, metrics["timing_s/update_actor"])
     with phase("update_weights", metrics):  # every step: released weights must be pushed again
         metrics["perf/wait_rollout_ahead_s"] = parts.rollout_ahead.wait_idle()  # the servers must be idle
-        _resume_engine_memory(parts, (WEIGHTS,))
-        with parts.actor.offloader.resident("params"):
-            sync = parts.weight_sync.sync(parts.engine)
-        _resume_engine_memory(parts, (KV_CACHE,))
+        sync = hand_over_weights(parts)  # hand back the cache, resume weights, push, resume KV cache + graphs
     metrics["timing_s/step"] = time.perf_counter() - start  # phase() names its entries timing_s/<phase>
     metrics["perf/weight_sync_received_mb"] = sync.stats.bytes_received / 2**20  # this rank, in the engine's dtype
     metrics.update(_batch_metrics(batch, scores, rollout_log_probs, reward_metrics))
@@ -194,6 +191,18 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
     metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / dist.get_world_size()
     metrics.update(step_peak_memory(metrics))
     return metrics
+
+
+def hand_over_weights(parts: PPOComponents):
+    """The actor's weights into the engine, in the order colocated memory allows: every rank hands
+    its cached memory back, the engine takes its weights' memory back, the push (the cache handed
+    back after each bucket), then the engine's KV cache and CUDA graphs. Collective."""
+    hand_back_cache("before the engine resumes")
+    _resume_engine_memory(parts, (WEIGHTS,))
+    with parts.actor.offloader.resident("params"):
+        report = parts.weight_sync.sync(parts.engine)
+    _resume_engine_memory(parts, (KV_CACHE, CUDA_GRAPH))
+    return report
 
 
 def _corrected_for_the_rollout_policy(batch: RolloutBatch, rollout_log_probs, algo, metrics: dict) -> RolloutBatch:
@@ -233,11 +242,13 @@ def _actor_update_mfu(cfg: ExperimentConfig, parts: PPOComponents, batch: Rollou
 def _release_engine_memory(parts: PPOComponents, tags) -> None:
     if parts.engine is not None and not parts.weight_sync.disaggregated:  # servers of their own keep theirs
         parts.engine.release_memory(tags)
+        record("release", tags=list(tags))
 
 
 def _resume_engine_memory(parts: PPOComponents, tags) -> None:
     if parts.engine is not None and not parts.weight_sync.disaggregated:
         parts.engine.resume_memory(tags)
+        record("resume", tags=list(tags))
 
 
 def _score(parts: PPOComponents, batch: RolloutBatch, meta: dict, combine: RewardCombineConfig,

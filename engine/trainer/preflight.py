@@ -23,16 +23,17 @@ def check_inputs(cfg: ExperimentConfig, *, data: bool = True) -> None:
     architecture = check_model_folder("actor_rollout_ref.model.path", model.path)
     check_trainable_layout(architecture, cfg.actor_rollout_ref.actor.megatron, "actor_rollout_ref.actor.megatron")
     check_lora_targets(architecture, model)
-    if cfg.algorithm.uses_critic:
+    built = cfg.built_models()
+    if built.critic:
         if cfg.critic.model.path != model.path:
             architecture = check_model_folder("critic.model.path", cfg.critic.model.path)
         check_trainable_layout(architecture, cfg.critic.megatron, "critic.megatron")
     tokenizer = load_tokenizer(model.tokenizer_path, model.trust_remote_code)
     reward = cfg.reward_model
-    if reward.enable:
+    if built.reward_model:
         check_model_folder("reward_model.model.path", reward.model.path)
         load_tokenizer(reward.model.tokenizer_path, reward.model.trust_remote_code, key="reward_model.model.tokenizer_path")
-    if reward.judge.enable and reward.judge.url is None:
+    if built.judge_server:
         check_model_folder("reward_model.judge.model.path", reward.judge.model.path)
     if data:
         from engine.data import PromptDataset

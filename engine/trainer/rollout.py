@@ -27,6 +27,7 @@ import torch.distributed as dist
 from engine.roles import RolloutBatch
 from engine.rollout.base import SamplingParams
 from parallel.hybrid_engine import gather_generation_results, split_for_generation
+from parallel.state import control_group
 
 
 @dataclasses.dataclass
@@ -92,8 +93,8 @@ def _start(parts, prompts, params: SamplingParams, policy_version: int, backgrou
         local, seconds = _timed_generate(parts.engine, mine, params) if parts.engine is not None else ([], 0.0)
         shard["responses"] = gather_generation_results(local, sync.groups)  # this DP rank's prompts, in order
         responses = (None, seconds)
-    shards: list = [None] * dist.get_world_size(parts.data_parallel_group)
-    dist.all_gather_object(shards, shard, group=parts.data_parallel_group)
+    shards: list = [None] * dist.get_world_size(parts.data_parallel_control_group)
+    dist.all_gather_object(shards, shard, group=parts.data_parallel_control_group)
     merged = {key: [item for s in shards for item in s[key]] for key in shard}
     pending = _Pending(merged, shard["uids"], params, policy_version, responses)
     if sync.disaggregated and dist.get_rank() == 0:
@@ -109,7 +110,7 @@ def _finish(parts, pending: _Pending) -> Rollout:
     answer = pending.future.result() if pending.future is not None else pending.responses
     if parts.weight_sync.disaggregated:
         box = [answer]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=control_group())  # the others waited for rank 0's servers
         merged["responses"], seconds = box[0]
     else:
         seconds = answer[1]

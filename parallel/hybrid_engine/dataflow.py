@@ -55,7 +55,9 @@ def gather_generation_results(local_results: Sequence[Any], groups: HybridEngine
     layout = groups.layout
     is_leader = layout.generation_coordinates(groups.rank).tensor == 0
     gathered: list[Any] = [None] * len(groups.micro_data_parallel_ranks)
-    dist.all_gather_object(gathered, list(local_results) if is_leader else None, group=groups.micro_data_parallel)
+    # On the control group (gloo): the other ranks wait here while the leaders generate.
+    dist.all_gather_object(gathered, list(local_results) if is_leader else None,
+                           group=groups.micro_data_parallel_control)
     return [item for position in _leaders_in_order(groups) for item in gathered[position]]
 
 

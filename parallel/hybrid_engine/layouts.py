@@ -337,8 +337,12 @@ def lcm(a: int, b: int) -> int:
 class HybridEngineGroups:
     """This rank's torch.distributed groups for resharding and generation-side data flow.
 
-    Built by ``build_groups`` with ``torch.distributed.new_subgroups_by_enumeration``, i.e. every
-    group is created on every rank in the same order (a requirement of torch.distributed).
+    Built by ``build_groups``: a partition of the world that megatron already has a group for
+    (pipeline, tensor parallel: the usual case for ``pipeline`` and often for ``tensor_gather``)
+    reuses megatron's group, so no second NCCL communicator is made for the same ranks; the others
+    are new groups, created on every rank in the same order. The ``*_control`` groups hold the same
+    ranks on gloo (``parallel.state.control_groups``): the generation results gathered while replica
+    leaders wait on their engines, and the per-rank weight payloads a replica leader collects.
     """
 
     layout: HybridLayout
@@ -351,6 +355,8 @@ class HybridEngineGroups:
     generation_tensor_ranks: list[int]
     micro_data_parallel: object
     micro_data_parallel_ranks: list[int]
+    micro_data_parallel_control: object
+    generation_tensor_control: object
 
 
 def build_groups(layout: HybridLayout, tensor_gather_size: int) -> HybridEngineGroups:
@@ -366,6 +372,8 @@ def build_groups(layout: HybridLayout, tensor_gather_size: int) -> HybridEngineG
         raise LayoutError(
             f"the layout {layout.describe()} needs {layout.world_size} ranks, the world has {dist.get_world_size()}"
         )
+    from parallel.state import control_groups
+
     rank = dist.get_rank()
     made = {}
     for key, rank_lists in (
@@ -374,7 +382,34 @@ def build_groups(layout: HybridLayout, tensor_gather_size: int) -> HybridEngineG
         ("generation_tensor", layout.generation_tensor_groups()),
         ("micro_data_parallel", layout.micro_data_parallel_groups()),
     ):
-        group, _ = dist.new_subgroups_by_enumeration(rank_lists)
         mine = next(ranks for ranks in rank_lists if rank in ranks)
+        group = _megatron_group_of(mine)
+        if group is None:
+            group, _ = dist.new_subgroups_by_enumeration(rank_lists)
         made[key], made[key + "_ranks"] = group, mine
+    made["micro_data_parallel_control"] = control_groups(layout.micro_data_parallel_groups())
+    made["generation_tensor_control"] = control_groups(layout.generation_tensor_groups())
     return HybridEngineGroups(layout=layout, rank=rank, **made)
+
+
+def _megatron_group_of(ranks: list[int]):
+    """megatron-core's existing group holding exactly ``ranks`` (this rank's block of a partition),
+    if every rank of the world finds one for its own block; None otherwise. Collective: the ranks
+    agree (a gloo all-reduce of the answer) so that all of them create a new group, or none does."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from parallel.state import control_group
+
+    found = None
+    if parallel_state.model_parallel_is_initialized():
+        for get in (parallel_state.get_tensor_model_parallel_group, parallel_state.get_pipeline_model_parallel_group,
+                    parallel_state.get_data_parallel_group, parallel_state.get_model_parallel_group):
+            group = get()
+            if dist.get_process_group_ranks(group) == list(ranks):  # the same ranks in the same order
+                found = group
+                break
+    everywhere = torch.tensor([int(found is not None)])
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=control_group())
+    return found if everywhere.item() else None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -97,7 +98,7 @@ def check_received(shards, reference: dict, target: str) -> int:
     return count
 
 
-def start_engine(engine_name: str, hf_dir: str, run_dir: str):
+def start_engine(engine_name: str, hf_dir: str, run_dir: str, generation_tp: int):
     if engine_name == "torch":
         from engine.config import RolloutConfig
         from engine.rollout.torch_engine import TorchRolloutEngine
@@ -105,7 +106,26 @@ def start_engine(engine_name: str, hf_dir: str, run_dir: str):
         return TorchRolloutEngine(hf_dir, RolloutConfig(name="torch", dtype="float32"), device="cpu")
     from tests.rollout_support import start_cpu_sglang
 
-    return start_cpu_sglang(hf_dir, run_dir, rollout={"weight_update_timeout_s": 120})
+    return start_cpu_sglang(hf_dir, run_dir, rollout={"weight_update_timeout_s": 120,
+                                                      "tensor_model_parallel_size": generation_tp})
+
+
+def payload_producers(engine) -> list[list[int]]:
+    """Record, for every bucket the leader pushes as per-rank payloads, the pid of the process that
+    made each TP rank's payload: a CPU payload names the shared-memory file its producer created,
+    ``/torch_<pid>_...`` (torch's file_system sharing)."""
+    import base64
+    import re
+
+    pushes: list[list[int]] = []
+    push = engine.push_serialized_weights
+
+    def recorded(named_shapes, payloads):
+        pushes.append([int(re.search(rb"/torch_(\d+)_", base64.b64decode(p)).group(1)) for p in payloads])
+        return push(named_shapes, payloads)
+
+    engine.push_serialized_weights = recorded
+    return pushes
 
 
 def run_case(case: str, hf_dir: str, bucket_megabytes: float, engine_name: str, run_dir: str) -> dict:
@@ -152,7 +172,7 @@ def run_case(case: str, hf_dir: str, bucket_megabytes: float, engine_name: str, 
     hf_model = hf_reference_model(hf_dir, reference, f"{run_dir}/rank{rank}/reference")
     engine = None
     if sync.is_replica_leader:
-        engine = start_engine(engine_name, hf_dir, f"{run_dir}/rank{rank}")
+        engine = start_engine(engine_name, hf_dir, f"{run_dir}/rank{rank}", tg)
         weights = engine_weights(engine, ["model.layers.0.self_attn.q_proj.weight"])
         if weights is not None:
             before = weights["model.layers.0.self_attn.q_proj.weight"].clone()
@@ -166,10 +186,19 @@ def run_case(case: str, hf_dir: str, bucket_megabytes: float, engine_name: str, 
             else:
                 raise AssertionError("the engine matched the trained weights before any sync")
     full_sync = WeightSynchronizer(chunks, layout, RolloutConfig(
-        tensor_model_parallel_size=tg, update_weights_bucket_megabytes=bucket_megabytes, dtype="float32",
-        check_weight_sync=True))
+        name=engine_name, tensor_model_parallel_size=tg, update_weights_bucket_megabytes=bucket_megabytes,
+        dtype="float32", check_weight_sync=True))
+    pushes = payload_producers(engine) if engine is not None and full_sync.serializes_per_rank else None
     report = full_sync.sync(engine)
     record["sync_seconds"] = report.stats.seconds
+    pids: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(pids, os.getpid())
+    if pushes is not None:  # each TP rank's payload came from the rank holding that rank's tensors
+        replica = sorted(full_sync.groups.generation_tensor_ranks,
+                         key=lambda r: full_sync.layout.generation_coordinates(r).tensor)
+        assert pushes and all(producers == [pids[r] for r in replica] for producers in pushes), (pushes, replica, pids)
+        assert len(set(pids[r] for r in replica)) == tg
+        record["per_rank_payloads_checked"] = len(pushes)
     if engine is not None:
         assert report.checked_by_fingerprint == (engine_name == "torch"), report
 

@@ -14,13 +14,14 @@ import torch.distributed as dist
 
 from engine.rewards import CustomRewardFunctionConfig, RewardConfig
 from engine.rewards.spmd import reward_manager_for_this_rank, score_on_all_ranks
+from parallel.state import init_distributed
 
 ROWS = 23  # not a multiple of the world size
 
 
 def main() -> None:
     reward_file, log_file, out_dir, num_workers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    dist.init_process_group("gloo")
+    init_distributed()
     rank = dist.get_rank()
     config = RewardConfig(custom_reward_function=CustomRewardFunctionConfig(path=reward_file),
                           num_workers=num_workers, num_cpus_per_worker=0.5)
