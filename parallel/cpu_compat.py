@@ -56,8 +56,9 @@ without a GPU we run the real megatron-core code on CPU tensors by:
     imported, before any fusion is decorated with it: with dynamo off (6) the compiled functions run
     as plain Python anyway, and decorating them with ``torch.compile`` imports torch's inductor, 1.6 s
     of the 4.3 s ``import megatron.core`` takes here (measured), paid by every rank of every job.
-    Installed by ``install_import_hook`` (from ``parallel/__init__.py``, before megatron is imported);
-    the hook checks for CUDA only when megatron is imported, and leaves the GPU path alone.
+    The hook lives in ``parallel/jit_import_hook.py`` (it must not import torch: importing
+    ``engine.config`` stays torch-free) and is installed by ``parallel/__init__.py`` before megatron is
+    imported; it checks for CUDA only when megatron is imported, and leaves the GPU path alone.
 
 ``activate()`` does nothing else when CUDA is available: the GPU path runs megatron-core untouched
 but for (4) where TE is missing (tests/test_cpu_compat.py proves both). Nothing else in Trident may
@@ -68,10 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.abc
-import importlib.machinery
 import logging
-import sys
 from typing import Any, Iterator
 
 import torch
@@ -369,33 +367,6 @@ def _checkpoint_results_queue_by_fork() -> None:
         return queues[0]
 
     _patch(filesystem_async, "_get_write_results_queue", results_queue)
-
-
-class _JitFuserOffOnCpu(importlib.abc.MetaPathFinder):
-    """Finds ``megatron.core.jit`` as usual and, without CUDA, switches its fuser off right after the
-    module runs (item 10)."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != "megatron.core.jit":
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_switch_off(module):
-            exec_module(module)
-            if not torch.cuda.is_available():
-                module.disable_jit_fuser()
-
-        spec.loader.exec_module = exec_then_switch_off
-        return spec
-
-
-def install_import_hook() -> None:
-    """Item 10's import hook; idempotent, and a no-op once megatron is imported."""
-    if "megatron.core.jit" not in sys.modules and not any(isinstance(f, _JitFuserOffOnCpu) for f in sys.meta_path):
-        sys.meta_path.insert(0, _JitFuserOffOnCpu())
 
 
 def activate() -> bool:
