@@ -95,11 +95,13 @@ def sync_into_sglang(chunks, layout, hf_dir: Path, run_dir: Path) -> dict:
     from tests.rollout_support import start_cpu_sglang
 
     exported = export_hf_state_dict(chunks)
-    sync = WeightSynchronizer(chunks, layout, RolloutConfig(tensor_model_parallel_size=2, dtype="float32"))
+    generation_tp = 2  # the server's own TP: each rank serializes the shard it holds for its TP worker
+    sync = WeightSynchronizer(chunks, layout, RolloutConfig(tensor_model_parallel_size=generation_tp, dtype="float32"))
     engine, merged, out = None, None, {}
     if sync.is_replica_leader:
         merged = hf_reference_model(str(hf_dir), exported, str(run_dir / "merged"))
-        engine = start_cpu_sglang(hf_dir, run_dir, rollout={"weight_update_timeout_s": 120})
+        engine = start_cpu_sglang(hf_dir, run_dir, rollout={"weight_update_timeout_s": 120,
+                                                             "tensor_model_parallel_size": generation_tp})
         out["before_push"] = greedy_log_prob_difference(engine, merged)
     sync.sync(engine)
     if engine is not None:

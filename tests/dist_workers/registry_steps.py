@@ -18,7 +18,7 @@ def main() -> None:
     from engine.algo.kl import build_kl_controller
     from engine.config import load_config
     from engine.trainer.components import build_components
-    from engine.trainer.ppo_trainer import ppo_iteration
+    from engine.trainer.ppo_trainer import hand_over_weights, ppo_iteration
     from engine.trainer.run_dir import RunDirectory
     from parallel.state import destroy_model_parallel, initialize_model_parallel
 
@@ -43,7 +43,7 @@ def main() -> None:
     def build(estimator: str):
         cfg = load_config("yaml/demo_cpu.yaml", [*overrides, f"algorithm.adv_estimator={estimator}"], world_size=1)
         parts = build_components(cfg, RunDirectory.create(run_dir))
-        parts.weight_sync.sync(parts.engine)
+        hand_over_weights(parts)  # the engine starts released (engine/trainer/components.py)
         return cfg, parts, iter(parts.train_loader)
 
     cfg = load_config("yaml/demo_cpu.yaml", overrides, world_size=1)
