@@ -104,6 +104,9 @@ def check_results(results, families, layouts, critic_layouts):
         assert first["max_abs_value_diff_vs_hf_hidden"] <= 1e-4
         assert first["max_abs_value_diff_vs_hf_token_classification"] <= 1e-4
         assert first["saved_files"] > 1  # the sharded save path with an index
+        # Each pipeline stage's TP rank 0 wrote its own stage's files (no rank gathered the model).
+        stages = int(critic_layouts[0].split(",")[1])
+        assert len(first["writer_ranks"]) >= stages and (stages == 1 or 0 < max(first["writer_ranks"])), first
         assert second["max_abs_value_diff_vs_first_critic_layout"] <= 1e-4
 
 

@@ -32,7 +32,7 @@ from engine.models.weight_mapping import (
     shard_from_hf,
     weight_mappings,
 )
-from parallel.state import device
+from parallel.state import control_group, device
 
 logger = logging.getLogger(__name__)
 
@@ -332,30 +332,49 @@ def save_hf_checkpoint(
     max_shard_bytes: int = 5 * 1024**3,
 ) -> None:
     """Write the distributed model as an HF folder (config.json + safetensors, sharded with an
-    index above ``max_shard_bytes``). Collective; global rank 0 writes.
+    index when there is more than one file). Collective.
 
-    ``copy_non_weight_files_from``: an HF folder whose tokenizer / generation config files are
-    copied, so the result loads in HF or SGLang as is.
+    Every rank that completes some HF tensors (TP rank 0 of data-parallel rank 0 of each pipeline
+    stage; for experts, of each expert-parallel rank) writes them itself, in files of at most
+    ``max_shard_bytes``, and global rank 0 writes the index and the config: no rank holds more than
+    its stage's tensors, and the stages write at once (one rank gathering a 70B model would hold
+    ~140 GB of host memory and write it alone). Each file's metadata names the rank that wrote it
+    (``trident_writer_rank``). ``copy_non_weight_files_from``: an HF folder whose tokenizer /
+    generation config files are copied, so the result loads in HF or SGLang as is.
     """
     from safetensors.torch import save_file
 
-    state_dict = export_hf_state_dict(model_chunks, destination_rank=0)
+    entries = _entries_for(model_chunks)
+    local = _gather_local_hf_tensors(model_chunks, entries)
+    shards = [names for names in _shards_by_size(local, local, max_shard_bytes) if names]
+    # Every rank's planned files (names and bytes), so that all agree on the files' numbers.
+    plans: list = [None] * dist.get_world_size()
+    dist.all_gather_object(plans, [(names, sum(local[n].numel() * local[n].element_size() for n in names))
+                                   for names in shards], group=control_group())
+    files = [(rank, names, size) for rank, plan in enumerate(plans) for names, size in plan]
+    file_names = (["model.safetensors"] if len(files) == 1 else
+                  [f"model-{number:05d}-of-{len(files):05d}.safetensors" for number in range(1, len(files) + 1)])
+    expected = [name for entry in weight_mappings(
+        _chunk_architecture(model_chunks), transformer_engine=use_transformer_engine(),
+        value_head=_is_critic(model_chunks)) if entry.exported for name in entry.hf_names]
+    written = [name for _, names, _ in files for name in names]
+    missing = sorted(set(expected) - set(written))
+    if missing or len(written) != len(set(written)):
+        raise AssertionError(f"export is missing {missing[:5]} ({len(missing)} tensors) or writes a tensor twice")
+    out_dir = Path(out_dir)
     if dist.get_rank() == 0:
-        out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        shards = _shards_by_size(state_dict, state_dict, max_shard_bytes)
-        if len(shards) == 1:
-            save_file(state_dict, out_dir / "model.safetensors", metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for number, names in enumerate(shards, start=1):
-                file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-                save_file({n: state_dict[n] for n in names}, out_dir / file_name, metadata={"format": "pt"})
-                weight_map.update({n: file_name for n in names})
-            total = sum(t.numel() * t.element_size() for t in state_dict.values())
-            (out_dir / INDEX_FILE).write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-            )
+    dist.barrier(group=control_group())
+    for (rank, names, _), file_name in zip(files, file_names):
+        if rank == dist.get_rank():
+            save_file({n: local[n].contiguous() for n in names}, out_dir / file_name,
+                      metadata={"format": "pt", "trident_writer_rank": str(rank)})
+    if dist.get_rank() == 0:
+        if len(files) > 1:
+            weight_map = {name: file_name for (_, names, _), file_name in zip(files, file_names) for name in names}
+            (out_dir / INDEX_FILE).write_text(json.dumps(
+                {"metadata": {"total_size": sum(size for _, _, size in files)},
+                 "weight_map": {name: weight_map[name] for name in expected}}, indent=2))
         hf_config_for_export(
             _chunk_architecture(model_chunks), value_head=_is_critic(model_chunks)
         ).save_pretrained(out_dir)
@@ -364,4 +383,4 @@ def save_hf_checkpoint(
                 source = Path(copy_non_weight_files_from) / file_name
                 if source.is_file():
                     shutil.copy2(source, out_dir / file_name)
-    dist.barrier()
+    dist.barrier(group=control_group())  # every file is written

@@ -134,6 +134,13 @@ def main() -> None:
                     hf_values = hf_critic(tokens).logits[..., 0]
                 entry["max_abs_value_diff_vs_hf_token_classification"] = (values - hf_values).abs().max().item()
                 entry["saved_files"] = len(list(out_dir.glob("*.safetensors")))
+                from safetensors import safe_open
+
+                writers = set()
+                for file in out_dir.glob("*.safetensors"):
+                    with safe_open(str(file), "pt") as handle:
+                        writers.add(int(handle.metadata()["trident_writer_rank"]))
+                entry["writer_ranks"] = sorted(writers)
             else:
                 entry["max_abs_value_diff_vs_first_critic_layout"] = (
                     values - values_by_layout[args.critic_layouts[0]]).abs().max().item()
