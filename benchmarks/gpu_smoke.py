@@ -1,32 +1,38 @@
 """One-GPU smoke check of the production path: bf16 PPO at TP1 on a random ~0.5B Qwen2-shaped model.
 
-    python -m benchmarks.gpu_smoke [--steps 3] [--out DIR]     # on one GPU (about 2-4 minutes)
-    python -m benchmarks.gpu_smoke --cpu                       # the same flow on a tiny model (CI)
+    python -m benchmarks.gpu_smoke [--steps 3] [--out DIR] [--work DIR]   # on one GPU (2-4 minutes)
+    python -m benchmarks.gpu_smoke --cpu                                  # the same flow on a tiny model (CI)
 
-One process, a world of one rank. The experiment is ``yaml/qwen2.5-0.5b_gsm8k.yaml`` as written
-(bf16, GAE with a critic, the distributed optimizer, sequence packing) except: a random model with
-Qwen2.5-0.5B's shapes (tied 151,936-token embedding, 24 layers, 14 heads / 2 KV heads: 494M
-parameters; ``--cpu``: 2 layers of width 64), the character tokenizer and GSM8K stand-in prompts
-of ``launch.rehearse``, one rank, a batch of 64 prompts (``--cpu``: 8), and the embedded torch
-rollout engine. SGLang and transformer-engine are too large to carry to a bare lent machine, so
-generation runs in transformers and megatron uses its local layer spec (with transformer-engine
-installed, the same script picks TE's spec). In order it:
+A world of one rank. The experiment is ``yaml/qwen2.5-0.5b_gsm8k.yaml`` as written (bf16, GAE with a
+critic, the distributed optimizer, sequence packing) except: a random model with Qwen2.5-0.5B's
+shapes (tied 151,936-token embedding, 24 layers, 14 heads / 2 KV heads: 494M parameters; ``--cpu``:
+2 layers of width 64), the character tokenizer and GSM8K stand-in prompts of ``launch.rehearse``, a
+batch of 64 prompts (``--cpu``: 8), and the rollout engine ``torch-process``: transformers'
+generate in a process of its own on the same GPU (``engine.rollout.process_engine``), which reserves
+``gpu_memory_utilization`` of the memory free when it starts and releases and resumes its memory in
+that process, as an SGLang server does. SGLang and transformer-engine are too large to carry to a
+bare lent machine, so megatron uses its local layer spec (with transformer-engine installed, the same
+script picks TE's spec). In order it:
 
-1. checks the colocated memory hand-off on the real engine: device memory (CUDA allocator; on CPU
-   the engine's own weight storage) before and after ``release_memory``, after resuming the weights,
-   and after the push and the KV cache's resume;
-2. runs PPO steps 1 .. N-1 (each releases and resumes the engine as the loop does), saves a
+1. checks the start order and SGLang's sizing rule: the engine started before any training model,
+   on (nearly) the whole GPU, and took its fraction of it;
+2. checks the colocated memory hand-off on the engine's process: its weights and pool leave the
+   device on ``release_memory`` and come back on resume; on a GPU, a training rank that keeps its
+   cached memory makes the engine's resume run out of memory, and handing the cache back
+   (``engine.rollout.memory.hand_back_cache``) lets it through;
+3. runs PPO steps 1 .. N-1 (each releases and resumes the engine as the loop does), saves a
    checkpoint, tears everything down, builds it again from the checkpoint (the actor's weights must
    come back bit-identical) and runs step N;
-3. reports per-phase seconds and peak memory, the actor update's MFU (989 TFLOP/s peak on H100/H200),
+4. reports per-phase seconds and peak memory, the actor update's MFU (989 TFLOP/s peak on H100/H200),
    the rollout-vs-trainer log-prob gap (checked against ``engine.sync.expected_log_prob_gap``), and
-   writes it all to ``DIR/gpu_smoke.json``. Exit status 1 when a check fails.
+   writes it to ``OUT/gpu_smoke.json`` (the model, data and run go to ``--work``, a temporary folder
+   by default). Exit status 1 when a check fails.
 
-On the lent H200 (torch, transformers, pyarrow, tensorboard present; megatron-core, omegaconf and
-antlr4 carried as wheels in ``.whl``, see the device tool's README)::
+On a lent GPU machine (Python 3.12; torch, transformers, pyarrow, tensorboard present; megatron-core
+and omegaconf carried as wheels, ``bash benchmarks/gpu_wheels.sh`` makes them in ``.whl``)::
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-    PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_smoke --out $OUT
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_smoke --out $OUT
 """
 
 from __future__ import annotations
@@ -51,6 +57,9 @@ CPU_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2
              "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 512}
 # (prompts per step, prompts per mini-batch, sequences per micro-batch, response tokens)
 GPU_BATCH, CPU_BATCH = (64, 32, 16, 128), (8, 4, 2, 16)
+# The engine's share of the GPU free when it starts (SGLang's mem_fraction_static): the model's
+# training state must fit beside it, as in a colocated run.
+GPU_MEMORY_UTILIZATION = 0.5
 
 
 class SmokeFailure(AssertionError):
@@ -80,42 +89,72 @@ def prepare(work: Path, cpu: bool) -> list[str]:
         f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}", f"critic.ppo_mini_batch_size={mini}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}", f"critic.ppo_micro_batch_size_per_gpu={micro}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
-        "actor_rollout_ref.rollout.name=torch", "reward_model.num_workers=0",
+        "actor_rollout_ref.rollout.name=torch-process",
+        f"actor_rollout_ref.rollout.gpu_memory_utilization={GPU_MEMORY_UTILIZATION}", "reward_model.num_workers=0",
         "trainer.nnodes=1", "trainer.n_gpus_per_node=1",
         f"trainer.default_local_dir={work / 'run'}", "trainer.resume_mode=disable", "trainer.val_before_train=false",
     ]
 
 
-def device_memory(engine) -> float:
-    """Bytes the engine's weights occupy, as the device sees them: the CUDA allocator's count on a
-    GPU, the engine's own weight storage on CPU (process RSS is too coarse for a tiny model)."""
+def start_order(engine) -> dict[str, float]:
+    """The engine started before any training model (on a GPU: on nearly all of it) and took
+    ``GPU_MEMORY_UTILIZATION`` of what was free then for its weights and pool (SGLang's rule)."""
     import torch
 
+    from engine.rollout.base import sglang_static_pool_bytes
+
+    startup = engine.startup
+    result = {"free_at_engine_start_gb": startup["free_at_start_bytes"] / GIB,
+              "engine_weights_gb": startup["weight_bytes"] / GIB, "engine_pool_gb": startup["pool_bytes"] / GIB}
     if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        return float(torch.cuda.memory_allocated())
-    return float(engine.resident_weight_bytes())
+        total = torch.cuda.mem_get_info()[1]
+        result["gpu_total_gb"] = total / GIB
+        # The training models (~9 GiB for the actor's bf16 weights, fp32 grads and Adam alone) were not there.
+        check(startup["free_at_start_bytes"] > total - 3 * GIB,
+              f"the engine started with {startup['free_at_start_bytes'] / GIB:.1f} of {total / GIB:.1f} GiB free: "
+              "after the training models, not before them")
+        expected = sglang_static_pool_bytes(startup["free_at_start_bytes"], GPU_MEMORY_UTILIZATION) - startup["weight_bytes"]
+        check(abs(startup["pool_bytes"] - expected) < 2**20, f"the engine's pool {startup['pool_bytes']} != SGLang's rule {expected}")
+    return result
 
 
-def memory_hand_off(parts) -> dict[str, float]:
-    """release -> resume weights -> push -> resume KV cache, on the real engine, measured."""
-    from engine.rollout.base import KV_CACHE, WEIGHTS
+def memory_hand_off(parts) -> dict[str, Any]:
+    """release -> (a cache kept, on a GPU) -> hand the cache back -> resume, push, resume KV + graphs,
+    measured in the engine's process and, on a GPU, as free device memory in this one."""
+    import torch
+
+    from engine.rollout.base import MEMORY_TAGS, RolloutError, WEIGHTS
+    from engine.rollout.memory import hand_back_cache
+    from engine.trainer.ppo_trainer import hand_over_weights
 
     engine = parts.engine
-    weights = engine.resident_weight_bytes()
-    before = device_memory(engine)
-    engine.release_memory()
-    released = device_memory(engine)
-    engine.resume_memory([WEIGHTS])
-    resumed = device_memory(engine)
-    parts.weight_sync.sync(engine)
-    engine.resume_memory([KV_CACHE])
-    after = device_memory(engine)
-    result = {"engine_weight_gb": weights / GIB, "before_gb": before / GIB, "released_gb": released / GIB,
-              "weights_resumed_gb": resumed / GIB, "after_sync_gb": after / GIB}
-    check(before - released >= 0.9 * weights, f"release_memory freed {(before - released) / GIB:.3f} GiB of the "
-                                              f"engine's {weights / GIB:.3f} GiB of weights")
-    check(resumed - released >= 0.9 * weights, f"resume_memory(weights) took back {(resumed - released) / GIB:.3f} GiB")
+    before = engine.memory()
+    engine.release_memory(MEMORY_TAGS)
+    released = engine.memory()
+    result: dict[str, Any] = {"engine_before": before, "engine_released": released}
+    check(released["weight_bytes"] == 0 and released["pool_bytes"] == 0,
+          f"release_memory left {released} in the engine's process")
+    if torch.cuda.is_available():
+        # A training rank that keeps its cache: blocks freed in this process but still reserved by
+        # its allocator, as many as the engine needs. The engine's resume must fail on them.
+        free = torch.cuda.mem_get_info()[0]
+        kept = torch.empty(max(0, free - (before["pool_bytes"] + before["weight_bytes"]) // 2), dtype=torch.uint8,
+                           device="cuda")
+        del kept
+        result["cache_kept_gb"] = torch.cuda.memory_reserved() / GIB
+        try:
+            engine.resume_memory([WEIGHTS] + (["kv_cache"] if before["pool_bytes"] else []))
+        except RolloutError as error:
+            result["resume_without_hand_back"] = str(error)[:300]
+        else:
+            raise SmokeFailure("the engine resumed although this process held its cached memory: the smoke "
+                               "cannot see a missing cache hand-back")
+        engine.release_memory(MEMORY_TAGS)  # whatever part of the resume went through
+        hand_back_cache("gpu_smoke")
+        result["free_after_hand_back_gb"] = torch.cuda.mem_get_info()[0] / GIB
+    hand_over_weights(parts)  # hand back, resume weights, push, resume KV cache and graphs
+    result["engine_resumed"] = engine.memory()
+    check(result["engine_resumed"]["weight_bytes"] == before["weight_bytes"], "the weights did not come back")
     return result
 
 
@@ -133,7 +172,7 @@ def run(steps: int, cpu: bool, work: Path) -> dict[str, Any]:
     from engine.models.gpt import use_transformer_engine
     from engine.sync import expected_log_prob_gap
     from engine.trainer.components import build_components
-    from engine.trainer.ppo_trainer import resume_from_checkpoint, save_checkpoint
+    from engine.trainer.ppo_trainer import hand_over_weights, resume_from_checkpoint, save_checkpoint
     from engine.trainer.run_dir import RunDirectory
     from parallel.state import destroy_model_parallel, initialize_model_parallel
 
@@ -146,13 +185,14 @@ def run(steps: int, cpu: bool, work: Path) -> dict[str, Any]:
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "layer_spec": "transformer-engine" if use_transformer_engine() else "megatron local (no transformer-engine)",
-        "rollout_engine": "embedded torch (transformers generate)", "param_dtype": megatron.param_dtype,
-        "rollout_dtype": cfg.actor_rollout_ref.rollout.dtype, "steps": [],
+        "rollout_engine": "torch-process (transformers generate, a process of its own on the same device)",
+        "param_dtype": megatron.param_dtype, "rollout_dtype": cfg.actor_rollout_ref.rollout.dtype, "steps": [],
     }
     try:
-        parts = build_components(cfg, run_dir)
+        parts = build_components(cfg, run_dir)  # the engine first, released, then the models
+        report["start_order"] = start_order(parts.engine)
         report["parameters"] = sum(p.numel() for chunk in parts.actor.model_chunks for p in chunk.parameters())
-        parts.weight_sync.sync(parts.engine)
+        hand_over_weights(parts)
         report["memory_hand_off"] = memory_hand_off(parts)
         batches = iter(parts.train_loader)
         for step in range(1, steps):
@@ -169,7 +209,7 @@ def run(steps: int, cpu: bool, work: Path) -> dict[str, Any]:
         parts = build_components(cfg, run_dir)
         check(resume_from_checkpoint(cfg, parts) == steps - 1, "the rebuilt run did not resume from the checkpoint")
         check(actor_fingerprint(parts) == saved, "the resumed actor's weights differ from the saved ones")
-        parts.weight_sync.sync(parts.engine)
+        hand_over_weights(parts)
         report["steps"].append(_step(cfg, parts, next(iter(parts.train_loader)), steps))
         parts.engine.shutdown()
     finally:
@@ -207,16 +247,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="the same flow on a tiny model (machines without a GPU)")
     parser.add_argument("--steps", type=int, default=3, help="PPO steps; a checkpoint is saved and resumed before the last")
-    parser.add_argument("--out", default=None, help="folder for the model, data, run and gpu_smoke.json")
+    parser.add_argument("--out", default=None, help="folder for gpu_smoke.json (default: the work folder)")
+    parser.add_argument("--work", default=None, help="folder for the model, data and run (default: a temporary one)")
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the last step runs after a resume)")
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="trident-gpu-smoke-"))
-    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="trident-gpu-smoke-"))
+    out = Path(args.out) if args.out else work
+    for folder in (work, out):
+        folder.mkdir(parents=True, exist_ok=True)
     if args.cpu:
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron's jit fuser compiles for ~16 s on CPU
     try:
-        report = run(args.steps, args.cpu, out)
+        report = run(args.steps, args.cpu, work)
     except SmokeFailure as failure:
         print(f"[gpu_smoke] FAILED: {failure}", file=sys.stderr, flush=True)
         sys.exit(1)

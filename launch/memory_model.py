@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.models.hf_config import ModelArchitecture
+from engine.rollout.base import sglang_static_pool_bytes
 from parallel.layout import ParallelLayout
 
 GIB = 1024**3
@@ -492,15 +493,6 @@ class HybridEngineSync:
     engine_shard_bytes: float
     bucket_bytes: float
     buckets: int
-
-
-def sglang_static_pool_bytes(free_at_start_bytes: float, mem_fraction_static: float) -> float:
-    """SGLang's weights + KV-cache pool (sglang 0.5.23, ``srt/mem_cache/kv_cache_configurator.py``,
-    ``_profile_available_bytes``): the KV cache gets what is free after loading the weights less
-    (1 - fraction) of what was free before loading, so weights + KV cache = fraction x the memory free
-    before loading, which SGLang measures when it starts (``srt/distributed/bootstrap.py``,
-    ``measure_pre_model_load_memory``)."""
-    return mem_fraction_static * free_at_start_bytes
 
 
 def hybrid_engine_sync(

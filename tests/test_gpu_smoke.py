@@ -14,15 +14,24 @@ pytestmark = pytest.mark.slow
 
 
 def test_gpu_smoke_flow_on_cpu(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "benchmarks.gpu_smoke", "--cpu", "--out", str(tmp_path)],
+    """The smoke's separate-process engine flow end to end on CPU: the engine started (and released)
+    before the models, release / resume / push in its own process, PPO steps, a checkpoint and a
+    resumed step, the log-prob check; only the JSON goes to --out."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    result = subprocess.run([sys.executable, "-m", "benchmarks.gpu_smoke", "--cpu", "--out", str(out), "--work", str(work)],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, f"{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
-    report = json.loads((tmp_path / "gpu_smoke.json").read_text())
+    assert sorted(path.name for path in out.iterdir()) == ["gpu_smoke.json"]
+    report = json.loads((out / "gpu_smoke.json").read_text())
     assert [row["step"] for row in report["steps"]] == [1, 2, 3]  # step 3 ran after the resume
     assert report["param_dtype"] == report["rollout_dtype"] == "bfloat16"
+    assert report["rollout_engine"].startswith("torch-process")
+    assert report["start_order"]["engine_weights_gb"] > 0 and report["start_order"]["engine_pool_gb"] > 0
     hand_off = report["memory_hand_off"]
-    assert hand_off["released_gb"] == 0 < hand_off["engine_weight_gb"] == hand_off["weights_resumed_gb"]
+    before, released, resumed = hand_off["engine_before"], hand_off["engine_released"], hand_off["engine_resumed"]
+    assert released["weight_bytes"] == released["pool_bytes"] == 0 < before["weight_bytes"] == resumed["weight_bytes"]
+    assert resumed["pool_bytes"] == before["pool_bytes"] > 0
     for row in report["steps"]:
         assert row["perf/mfu/actor"] is None  # no known peak on CPU: absent rather than wrong
         assert row["timing_s/update_actor"] > 0 and row["perf/max_rss_gb/update_actor"] > 0

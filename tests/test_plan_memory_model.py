@@ -211,7 +211,7 @@ def test_the_engines_pool_is_sglangs_own_rule(free_gib, weights_gib, fraction):
     the memory free after the weights are loaded and ``pre_model_load_memory`` the memory free before
     (``srt/distributed/bootstrap.py``, ``measure_pre_model_load_memory``, L193-223). Written here as
     SGLang writes it; the planner's pool is the weights plus that KV cache."""
-    from launch.memory_model import sglang_static_pool_bytes
+    from engine.rollout.base import sglang_static_pool_bytes
 
     pre_model_load_memory = free_gib
     available = pre_model_load_memory - weights_gib

@@ -1,4 +1,5 @@
-"""The rollout contract, written once and run against both engines (embedded torch, real SGLang).
+"""The rollout contract, written once and run against every engine (embedded torch, the same in a
+process of its own, real SGLang).
 
 Every numerical check compares with an independent reference: one unpadded, uncached HF forward of
 prompt + response in float64 (``tests/rollout_support.py``). The SGLang variant starts ONE real
@@ -33,10 +34,11 @@ def tiny(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
 
 
-@pytest.fixture(scope="module", params=["torch", pytest.param("sglang", marks=SGLANG_MARKS)])
+@pytest.fixture(scope="module", params=["torch", "torch-process", pytest.param("sglang", marks=SGLANG_MARKS)])
 def engine(request, tiny, tmp_path_factory):
-    if request.param == "torch":
-        rollout = create_rollout_engine(RolloutConfig(name="torch", dtype="float32"), str(tiny.path), max_batch_size=8)
+    if request.param in ("torch", "torch-process"):
+        rollout = create_rollout_engine(RolloutConfig(name=request.param, dtype="float32"), str(tiny.path),
+                                        max_batch_size=8)
     else:
         rollout = start_cpu_sglang(tiny.path, tmp_path_factory.mktemp("sglang_run"), max_concurrent_requests=16)
     yield rollout
@@ -202,6 +204,6 @@ def test_memory_release_then_resume_weights_push_and_resume_cache(engine, tiny):
     engine.release_memory()
     engine.resume_memory(["weights"])
     engine.update_weights(tiny.model.state_dict().items(), bucket_megabytes=0.01)
-    engine.resume_memory(["kv_cache"])
+    engine.resume_memory(["kv_cache", "cuda_graph"])
     assert engine.health()
     assert_same_outputs(engine.generate(PROMPTS[:1], params), before)

@@ -16,7 +16,7 @@ import transformers
 
 from engine.config import RolloutConfig
 from engine.rollout import RolloutError, SamplingParams, WeightUpdateError, create_rollout_engine
-from engine.rollout.base import KV_CACHE, WEIGHTS
+from engine.rollout.base import CUDA_GRAPH, KV_CACHE, WEIGHTS
 from tests.distributed import REPO_ROOT
 
 MIB = 1024**2
@@ -84,7 +84,7 @@ def check_release_and_resume(path, weights) -> None:
     resumed = resident_set_bytes()
     assert resumed - released > 0.9 * weight_bytes, (released / MIB, resumed / MIB)
     engine.update_weights(weights.items(), bucket_megabytes=64)
-    engine.resume_memory([KV_CACHE])
+    engine.resume_memory([KV_CACHE, CUDA_GRAPH])
     assert engine.generate([[5, 6, 7]], params)[0][0].token_ids == expected[0][0].token_ids
     engine.shutdown()
 

@@ -155,8 +155,10 @@ class RolloutConfig(SamplingConfig):
     """``actor_rollout_ref.rollout.*``: the generation engine, its sampling and the weight sync.
 
     Attributes:
-        name: the engine: "torch" (HF generate inside the trainer process, for small CPU runs) or
-            "sglang" (SGLang servers).
+        name: the engine: "torch" (HF generate inside the trainer process, for small CPU runs),
+            "torch-process" (the same in a process of its own beside each replica leader, releasing and
+            resuming its memory there as an SGLang server does: for GPUs without SGLang, and the
+            one-GPU smoke) or "sglang" (SGLang servers).
         mode: "colocated": the engine shares the training GPUs and takes the weights from them
             (3D-HybridEngine); "disaggregated": SGLang servers on GPUs of their own, ``num_gpus`` after
             the trainer's on its node (started by rank 0) or on nodes of their own

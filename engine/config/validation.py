@@ -380,10 +380,10 @@ def _check_rollout(config: ExperimentConfig, training_world: int) -> None:
     rollout = config.actor_rollout_ref.rollout
     megatron = config.actor_rollout_ref.actor.megatron
     rollout_tp = rollout.tensor_model_parallel_size
-    if rollout.name == "torch" and rollout_tp != 1:
+    if rollout.name in ("torch", "torch-process") and rollout_tp != 1:
         raise ConfigError(
-            f"{ROLLOUT}.name=torch generates inside each trainer process without tensor parallelism; set "
-            f"{ROLLOUT}.tensor_model_parallel_size=1 (got {rollout_tp}) or use name=sglang."
+            f"{ROLLOUT}.name={rollout.name} generates with transformers on one device, without tensor "
+            f"parallelism; set {ROLLOUT}.tensor_model_parallel_size=1 (got {rollout_tp}) or use name=sglang."
         )
     _check_staleness(config)
     _check_rollout_correction(config)

@@ -241,6 +241,15 @@ class RolloutEngine(abc.ABC):
         self.shutdown()
 
 
+def sglang_static_pool_bytes(free_at_start_bytes: float, mem_fraction_static: float) -> float:
+    """SGLang's weights + KV-cache pool (sglang 0.5.23, ``srt/mem_cache/kv_cache_configurator.py``,
+    ``_profile_available_bytes``): the KV cache gets what is free after loading the weights less
+    (1 - fraction) of what was free before loading, so weights + KV cache = fraction x the memory free
+    before loading, which SGLang measures when it starts (``srt/distributed/bootstrap.py``,
+    ``measure_pre_model_load_memory``)."""
+    return mem_fraction_static * free_at_start_bytes
+
+
 def check_memory_tags(tags: Sequence[str]) -> tuple[str, ...]:
     unknown = [tag for tag in tags if tag not in MEMORY_TAGS]
     if unknown or not tags:

@@ -1,4 +1,5 @@
-"""Build the rollout engine ``rollout.name`` names: "torch" (embedded, the CPU default) or "sglang" (servers)."""
+"""Build the rollout engine ``rollout.name`` names: "torch" (embedded, the CPU default), "torch-process"
+(embedded in a process of its own) or "sglang" (servers)."""
 from __future__ import annotations
 
 from typing import Any
@@ -6,7 +7,7 @@ from typing import Any
 from engine.config.actor_rollout_ref import RolloutConfig
 from engine.rollout.base import RolloutEngine
 
-ROLLOUT_ENGINE_NAMES = ("torch", "sglang")
+ROLLOUT_ENGINE_NAMES = ("torch", "torch-process", "sglang")
 
 
 def create_rollout_engine(rollout: RolloutConfig, model_path: str, **launch: Any) -> RolloutEngine:
@@ -23,6 +24,13 @@ def create_rollout_engine(rollout: RolloutConfig, model_path: str, **launch: Any
             return TorchRolloutEngine(model_path, rollout, **launch)
         except TypeError as error:
             raise TypeError(f"bad settings for the 'torch' rollout engine: {error}") from None
+    if rollout.name == "torch-process":
+        from engine.rollout.process_engine import ProcessRolloutEngine
+
+        try:
+            return ProcessRolloutEngine(model_path, rollout, **launch)
+        except TypeError as error:
+            raise TypeError(f"bad settings for the 'torch-process' rollout engine: {error}") from None
     if rollout.name == "sglang":
         # Imported only here: the SGLang tier (requests, sglang) is optional on CPU machines.
         from engine.rollout.sglang_engine import SGLangRolloutConfig, SGLangRolloutEngine

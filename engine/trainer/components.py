@@ -359,7 +359,7 @@ def _build_engine(cfg: ExperimentConfig, run: RunDirectory, layout: HybridLayout
     from engine.rollout.factory import create_rollout_engine
 
     rollout, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
-    if rollout.name == "torch":
+    if rollout.name in ("torch", "torch-process"):
         return create_rollout_engine(rollout, model.path, trust_remote_code=model.trust_remote_code)
     gpus: tuple[int, ...] = ()
     replica = layout.generation_coordinates(dist.get_rank()).replica
