@@ -1,6 +1,7 @@
 """Trident's throughput benchmarking suite: a declared matrix of PPO cases, peers side by side.
 
     python -m benchmarks.suite --matrix {quick,cpu,gpu} --out DIR [--steps 8] [--warmup 2] [--repeats N]
+                               [--cpu-threads N]
                                [--cases NAME ...] [--compare OLD_DIR]
 
 Every case is one real PPO job on one workload, run to completion in its own processes:
@@ -218,8 +219,9 @@ def skip_reason(case: Case) -> str | None:
 # ----------------------------------------------------------------------------- running and summarising
 
 
-def run_case(case: Case, steps: int, warmup: int, work: Path, repeat: int = 0) -> dict[str, Any]:
-    """One job of ``case``; ``status`` "ok" with its summary, or "skipped" / "failed" with a reason."""
+def run_case(case: Case, steps: int, warmup: int, work: Path, repeat: int = 0, cpu_threads: int | None = None) -> dict[str, Any]:
+    """One job of ``case``; ``status`` "ok" with its summary, or "skipped" / "failed" with a reason.
+    ``cpu_threads``: the CPU job's threads in all (None: every core)."""
     result: dict[str, Any] = {"case": dataclasses.asdict(case), "status": "skipped"}
     reason = skip_reason(case)
     if reason is not None:
@@ -231,7 +233,7 @@ def run_case(case: Case, steps: int, warmup: int, work: Path, repeat: int = 0) -
     workload = prepare_workload(case, work)
     command = COMMANDS[case.runner](case, workload, steps, run_dir)
     # All cores to a 1-rank job (the issue's "1 rank, 2 threads"); ranks of a CPU job share them.
-    threads = max(1, (os.cpu_count() or 1) // case.ranks) if not case.gpu else 8
+    threads = max(1, (cpu_threads or os.cpu_count() or 1) // case.ranks) if not case.gpu else 8
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TORCHDYNAMO_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}
     log = run_dir / "job.log"
     print(f"[suite] {case.name}: running ({steps} steps; log {log})", file=sys.stderr, flush=True)
@@ -421,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="jobs per case, run round-robin over the matrix (noise then includes their spread)")
     parser.add_argument("--cases", nargs="*", help="run only these cases of the matrix")
+    parser.add_argument("--cpu-threads", type=int, help="threads of a CPU case in all, split over its ranks "
+                        "(default: every core; give fewer where the machine is shared: OpenMP threads that "
+                        "spin on a busy core slow a step many times over)")
     parser.add_argument("--compare", type=Path, help="an earlier --out folder: flag regressions beyond noise")
     args = parser.parse_args(argv)
     if args.steps < args.warmup + 2:
@@ -436,13 +441,13 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {case.name: [] for case in cases}
     for repeat in range(args.repeats):  # round-robin, so a slow spell of the machine hits every case
         for case in cases:
-            runs[case.name].append(run_case(case, args.steps, args.warmup, work, repeat))
+            runs[case.name].append(run_case(case, args.steps, args.warmup, work, repeat, args.cpu_threads))
     results = {case.name: merge_repeats(runs[case.name], case.ranks) for case in cases}
     add_ratios(results)
     for name, result in results.items():
         (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
     machine = machine_info()
-    summary = {"matrix": args.matrix, "machine": machine, "steps": args.steps, "warmup": args.warmup,
+    summary = {"matrix": args.matrix, "machine": machine, "cpu_threads": args.cpu_threads, "steps": args.steps, "warmup": args.warmup,
                "cases": {name: {k: v for k, v in r.items() if k != "steps"} for name, r in results.items()}}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     table = markdown_table(results, machine)

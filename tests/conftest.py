@@ -1,9 +1,16 @@
 """Fixtures shared across test modules, and how `make test` splits the suite over pytest-xdist workers."""
 from __future__ import annotations
 
-import pytest
+import os
 
-from tests.distributed import REPO_ROOT
+# One OpenMP thread per process, before anything imports torch: `make test` runs two workers on two
+# cores, and every job a test starts inherits this; a second thread spinning on a busy core slows
+# a step many times over (jobs set it themselves too, as launch.cli does).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+
+from tests.distributed import REPO_ROOT  # noqa: E402
 
 
 @pytest.fixture(scope="session")

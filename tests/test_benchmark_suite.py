@@ -27,8 +27,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory, demo_model, pytestconfig):
     out = tmp_path_factory.mktemp("suite")
+    # One thread per job: pytest runs a second worker on the other core, where a second OpenMP
+    # thread would spin against it (measured: steps 30x slower, 2.4x the CPU of the whole case).
     result = subprocess.run([sys.executable, "-m", "benchmarks.suite", "--matrix", "quick", "--out", str(out),
-                             "--steps", "6", "--warmup", "2"], cwd=REPO_ROOT, capture_output=True, text=True,
+                             "--steps", "6", "--warmup", "2", "--cpu-threads", "1"], cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     with pytestconfig.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
