@@ -122,6 +122,9 @@ def test_moe_reshard_on_4_ranks(tiny_qwen3_moe_dir, tmp_path):
              "2,2,0,1,2,1", "1,2,0,2,4,1"]
     records = run_cases(tiny_qwen3_moe_dir, tmp_path, 4, cases)
     assert all(r["prompts_checked"] > 0 for r in records)
+    # Experts move point to point wherever expert parallelism splits them (the dense phases broadcast
+    # and gather); each worker checked that all of its rank's went out in batch_isend_irecv calls.
+    assert all((record["full"]["batched_p2p_world"] > 0) == (len(record["case"].split(",")) > 4) for record in records)
     for record in records:  # vocab 256 needs no padding: every byte moved is one the rank lacked
         for target in ("full", "sharded"):
             assert record[target]["received"] <= 1.05 * record[target]["lower_bound"], (record["case"], target)

@@ -5,7 +5,10 @@ the output buffers, then phase 1 (pipeline broadcast / point-to-point) and phase
 the TP block) fill in the rest. Collectives are issued with ``async_op=True``; with ``overlap``
 the next bucket's phase 1 is in flight while the caller pushes the current bucket into the rollout
 engine. The bucket partition is the same on every rank, so all ranks issue the same collectives
-between the same waits.
+between the same waits. The point-to-point transfers of a phase go out together, as one
+``batch_isend_irecv``: NCCL groups them on the world's communicator, where separate ``isend`` /
+``irecv`` calls would open a communicator for every pair of ranks that ever exchange a slice (slime
+batches its weight-update P2P the same way); gloo runs the same list one by one.
 
 Memory: the executor allocates only the buckets' output buffers plus, per tensor, at most one
 temporary (a stacked buffer for slices along dim 1, a converted copy of a slice it sends but does
@@ -28,6 +31,9 @@ from parallel.hybrid_engine.integrity import tensor_fingerprint
 from parallel.hybrid_engine.layouts import HybridEngineGroups
 from parallel.hybrid_engine.plan import ReshardPlan, TensorSteps
 from parallel.hybrid_engine.spec import ParameterSpec, SliceRange, hf_chunks_of_shard
+
+# The world group, once it has run an operation of all its ranks here (see iter_buckets).
+_world_groups_used: list = []
 
 # local_shard(spec) -> this rank's Megatron tensor for ``spec`` (called on its owner stage only).
 LocalShardFn = Callable[[ParameterSpec], torch.Tensor]
@@ -125,6 +131,13 @@ class ReshardExecutor:
         """
         if not bucket_megabytes > 0:
             raise ValueError(f"rollout.update_weights_bucket_megabytes={bucket_megabytes!r} must be > 0")
+        if dist.group.WORLD not in _world_groups_used:
+            # NCCL makes a group's communicator at the group's first operation, which must then
+            # involve every rank; a batch of point-to-point operations between some ranks would
+            # leave that undefined (torch's batch_isend_irecv docs; slime runs a world barrier
+            # first). One element reduced over the world, with the rest of this data plane.
+            dist.all_reduce(torch.zeros(1, device=self.device))
+            _world_groups_used[:] = [dist.group.WORLD]
         budget = int(bucket_megabytes * 1024 * 1024) // (2 if overlap else 1)
         buckets = self.plan.buckets(max(1, budget))
         self.stats = ReshardStats(num_buckets=len(buckets))
@@ -183,7 +196,7 @@ class ReshardExecutor:
         """Allocate outputs, copy local slices, issue phase 1 (and phase 2 where no phase 1 is due)."""
         stagings: list[_Staging] = []
         chunks_by_spec: dict[int, list[torch.Tensor]] = {}
-        handles = []
+        handles, point_to_point = [], []
         early_gathers = []
         received = self._expert_phase(bucket, chunks_by_spec)
         for index in bucket:
@@ -212,11 +225,12 @@ class ReshardExecutor:
                     staging.slot(kept).copy_(self._narrow(steps, local_chunk, steps.local, kept))
                 if fingerprint_rows is not None and steps.held is not None:
                     self._fingerprint_local(steps, local_chunk, fingerprint_rows)
-            handles.extend(self._issue_pipeline(staging, local_chunk))
-            handles.extend(self._issue_direct(staging, local_chunk))
+            handles.extend(self._issue_pipeline(staging, local_chunk, point_to_point))
+            self._issue_direct(staging, local_chunk, point_to_point)
             if steps.gather and not steps.receives_in_pipeline_phase:
                 early_gathers.append(staging)
             stagings.append(staging)
+        handles.extend(_batched(point_to_point))
         for staging in early_gathers:
             handles.append(self._issue_gather(staging))
         return {"stagings": stagings, "handles": handles, "early": {id(s) for s in early_gathers}}
@@ -232,7 +246,7 @@ class ReshardExecutor:
     def _expert_phase(self, bucket: list[int], chunks_by_spec: dict) -> dict[int, torch.Tensor]:
         """Send the experts this rank holds to the expert ranks that need them and receive the others
         (point-to-point, posted in bucket order on both sides, complete before phase 1)."""
-        handles, copies, received = [], [], {}
+        point_to_point, copies, received = [], [], {}
         element = self.plan.element_size
         for index in bucket:
             steps = self.steps[index]
@@ -240,15 +254,15 @@ class ReshardExecutor:
                 copy = self._converted(self._held_chunk(steps, chunks_by_spec))
                 copies.append(copy)
                 for destination, _ in steps.expert_sends:
-                    handles.append(dist.isend(copy, dst=destination))
+                    point_to_point.append(dist.P2POp(dist.isend, copy, destination))
                     self.stats.bytes_sent += copy.numel() * element
             if steps.expert_receive is not None:
                 source, span = steps.expert_receive
                 buffer = self._allocate(steps.tensor.slice_shape(span))
-                handles.append(dist.irecv(buffer, src=source))
+                point_to_point.append(dist.P2POp(dist.irecv, buffer, source))
                 self.stats.bytes_received += buffer.numel() * element
                 received[index] = buffer
-        for handle in handles:
+        for handle in _batched(point_to_point):
             handle.wait()
         for copy in copies:
             self._free(copy)
@@ -273,7 +287,9 @@ class ReshardExecutor:
         self.stats.num_tensors += len(shards)
         return shards
 
-    def _issue_pipeline(self, staging: _Staging, local_chunk: torch.Tensor | None) -> list:
+    def _issue_pipeline(self, staging: _Staging, local_chunk: torch.Tensor | None, point_to_point: list) -> list:
+        """Issues the pipeline broadcast (returns its handle); adds the sends and the receive to
+        ``point_to_point``."""
         steps = staging.steps
         handles = []
         element = self.plan.element_size
@@ -289,25 +305,25 @@ class ReshardExecutor:
         for destination, span in steps.sends:
             buffer = self._outgoing(staging, local_chunk, span)
             self.stats.bytes_sent += buffer.numel() * element
-            handles.append(dist.isend(buffer, dst=destination))
+            point_to_point.append(dist.P2POp(dist.isend, buffer, destination))
         if steps.receive is not None:
             source, span = steps.receive
             buffer = staging.slot(span)
             self.stats.bytes_received += buffer.numel() * element
-            handles.append(dist.irecv(buffer, src=source))
+            point_to_point.append(dist.P2POp(dist.irecv, buffer, source))
         return handles
 
-    def _issue_direct(self, staging: _Staging, local_chunk: torch.Tensor | None) -> list:
-        """Point-to-point pieces of an expert sent straight from its owners (``ReshardPlan.direct``)."""
+    def _issue_direct(self, staging: _Staging, local_chunk: torch.Tensor | None, point_to_point: list) -> None:
+        """Point-to-point pieces of an expert sent straight from its owners (``ReshardPlan.direct``),
+        added to ``point_to_point``."""
         steps = staging.steps
-        handles = []
         element = self.plan.element_size
         outgoing: dict[SliceRange, torch.Tensor] = {}  # one buffer per distinct range
         for destination, span in steps.direct_sends:
             if span not in outgoing:
                 outgoing[span] = self._outgoing(staging, local_chunk, span)
             self.stats.bytes_sent += outgoing[span].numel() * element
-            handles.append(dist.isend(outgoing[span], dst=destination))
+            point_to_point.append(dist.P2POp(dist.isend, outgoing[span], destination))
         for source, span in steps.direct_receives:
             buffer = staging.slot(span)
             if not ReshardPlan.contiguous_slot(steps, span):  # gloo and NCCL take contiguous buffers
@@ -315,8 +331,7 @@ class ReshardExecutor:
                 staging.temporaries.append(buffer)
                 staging.copy_back.append((buffer, staging.slot(span)))
             self.stats.bytes_received += buffer.numel() * element
-            handles.append(dist.irecv(buffer, src=source))
-        return handles
+            point_to_point.append(dist.P2POp(dist.irecv, buffer, source))
 
     def _outgoing(self, staging: _Staging, local_chunk: torch.Tensor, span: SliceRange) -> torch.Tensor:
         """The buffer a source sends ``span`` from: its own output slot, or a converted copy."""
@@ -394,3 +409,8 @@ class ReshardExecutor:
         rows[tensor.index] += tensor_fingerprint(
             part, dim=tensor.dim, start=real.start if tensor.dim is not None else 0, dtype=self.plan.dtype
         ).to(rows.device)
+
+
+def _batched(point_to_point: list) -> list:
+    """Issue a phase's point-to-point operations as one batch; their handles."""
+    return dist.batch_isend_irecv(point_to_point) if point_to_point else []

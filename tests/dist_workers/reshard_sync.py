@@ -21,6 +21,7 @@ Rank 0 writes one record per case to --out; any failed check raises.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -128,6 +129,23 @@ def payload_producers(engine) -> list[list[int]]:
     return pushes
 
 
+@contextlib.contextmanager
+def batched_point_to_point():
+    """The point-to-point operations issued through ``torch.distributed.batch_isend_irecv`` while
+    the block runs (a list of (op name, peer))."""
+    issued, batch = [], torch.distributed.batch_isend_irecv
+
+    def recording(ops):
+        issued.extend((op.op.__name__, op.peer) for op in ops)
+        return batch(ops)
+
+    torch.distributed.batch_isend_irecv = recording
+    try:
+        yield issued
+    finally:
+        torch.distributed.batch_isend_irecv = batch
+
+
 def run_case(case: str, hf_dir: str, bucket_megabytes: float, engine_name: str, run_dir: str) -> dict:
     from megatron.core import parallel_state
 
@@ -157,15 +175,24 @@ def run_case(case: str, hf_dir: str, bucket_megabytes: float, engine_name: str, 
         if target == "full":
             check_rank_map(sync.layout.training)
         received = 0
-        for bucket in sync.iter_weight_shards():
-            received += check_received(bucket, reference, target)
+        with batched_point_to_point() as batched:
+            for bucket in sync.iter_weight_shards():
+                received += check_received(bucket, reference, target)
         assert received == len(reference), (received, len(reference))
+        # Every point-to-point transfer the plan gives this rank went out inside a batch_isend_irecv
+        # (NCCL: one communicator, not one per pair of ranks).
+        planned = sum(len(s.sends) + (s.receive is not None) + len(s.expert_sends) + (s.expert_receive is not None)
+                      + len(s.direct_sends) + len(s.direct_receives) for s in sync.plan.steps(rank))
+        assert len(batched) == planned, (target, len(batched), planned)
         stats, traffic = sync.executor.stats, sync.traffic
         assert stats.bytes_received == traffic.received, (target, stats.bytes_received, traffic.received)
         assert traffic.lower_bound <= traffic.received
         largest = max(sync.plan.staging_bytes(s) for s in sync.plan.steps(rank))
         assert stats.peak_staging_bytes <= bucket_megabytes * 2**20 + largest, (stats.peak_staging_bytes, largest)
+        world_planned = torch.tensor([planned])
+        torch.distributed.all_reduce(world_planned)
         record[target] = {"received": stats.bytes_received, "lower_bound": traffic.lower_bound,
+                          "batched_p2p_world": int(world_planned),
                           "peak_staging": stats.peak_staging_bytes, "buckets": stats.num_buckets}
 
     # The full path into real engines, with the fingerprint check on.
