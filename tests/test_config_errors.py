@@ -386,6 +386,8 @@ def test_group_estimator_needs_several_samples_per_prompt():
 @pytest.mark.parametrize("override, fragment", [
     ("actor_rollout_ref.actor.clip_ratio_c=0.5", "clip_ratio_c=0.5: must be > 1"),
     ("actor_rollout_ref.actor.megatron.moe_aux_loss_coeff=-0.1", "moe_aux_loss_coeff=-0.1: must be >= 0"),
+    ("critic.megatron.use_distributed_optimizer=false critic.megatron.overlap_param_gather=true",
+     "critic.megatron.overlap_param_gather=True: must be false or null with critic.megatron.use_distributed_optimizer=false"),
     ("algorithm.lam=1.5", "algorithm.lam=1.5: must be in [0, 1]"),
     ("actor_rollout_ref.rollout.top_p=0", "top_p=0.0: must be in (0, 1]"),
     ("actor_rollout_ref.actor.optim.betas=[0.9]", "betas=[0.9]: must be two numbers"),
@@ -393,7 +395,7 @@ def test_group_estimator_needs_several_samples_per_prompt():
     ("trainer.resume_mode=resume_path", "needs trainer.resume_from_path"),
 ])
 def test_out_of_range_values(override, fragment):
-    assert fragment in error_of(DEMO, [override])
+    assert fragment in error_of(DEMO, override.split())
 
 
 def test_rollout_log_probs_as_old_leave_nothing_for_the_sglang_weight_check():

@@ -144,6 +144,8 @@ def test_layouts_match_single_rank(single_rank, four_ranks):
     for name in FOUR_RANK_LAYOUTS:
         _assert_same_update(name, results["layouts"][name], weights[name], reference, reference_weights[REFERENCE])
     assert {results["layouts"][name]["dp"] for name in FOUR_RANK_LAYOUTS} == {1, 2, 4}
+    # ... with megatron DDP's overlapped gradient reduce and weight gather, as experiments run.
+    assert all(flags == [True, True] for name in FOUR_RANK_LAYOUTS for flags in results["layouts"][name]["overlap"])
 
 
 @pytest.mark.dist

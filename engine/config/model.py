@@ -159,6 +159,14 @@ class MegatronConfig(FrozenMegatronConfig):
 
     Attributes:
         use_distributed_optimizer: shard the optimizer state over the data-parallel ranks (ZeRO-1).
+        overlap_grad_reduce: start each gradient bucket's data-parallel reduce(-scatter) as soon as
+            the backward pass has filled it, during the rest of the backward (megatron DDP's
+            ``overlap_grad_reduce``); off, the whole reduce runs after the last micro-batch.
+        overlap_param_gather: with the distributed optimizer, all-gather the updated weights bucket
+            by bucket during the next mini-batch's forward pass instead of after each optimizer step
+            (megatron DDP's ``overlap_param_gather``); the last update of a PPO step still gathers
+            them before the weight sync reads them. null: on with ``use_distributed_optimizer``;
+            true without it is a config error (there is nothing to gather).
         moe_aux_loss_coeff: weight of the Switch-Transformer load-balancing loss (Fedus et al. 2022,
             megatron-core's ``aux_loss``) added to the loss of an MoE model; 0 adds nothing. The loss
             (unweighted, mean over MoE layers) is reported as ``<role>/moe_load_balancing_loss``
@@ -172,10 +180,16 @@ class MegatronConfig(FrozenMegatronConfig):
     """
 
     use_distributed_optimizer: bool = True
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool | None = None
     moe_aux_loss_coeff: float = 0.0
     param_offload: bool = False
     grad_offload: bool = False
     optimizer_offload: bool = False
+
+    def param_gather_overlapped(self) -> bool:
+        """``overlap_param_gather`` resolved (null: on with the distributed optimizer)."""
+        return self.use_distributed_optimizer if self.overlap_param_gather is None else self.overlap_param_gather
 
     def offloaded_parts(self) -> tuple[str, ...]:
         """The ``parallel.offload.PARTS`` this model offloads between its phases."""

@@ -210,6 +210,10 @@ def _check_ranges(config: ExperimentConfig) -> None:
     for prefix, megatron in ((f"{ACTOR}.megatron", actor.megatron), ("critic.megatron", critic.megatron)):
         _require(megatron.moe_aux_loss_coeff >= 0, f"{prefix}.moe_aux_loss_coeff", megatron.moe_aux_loss_coeff,
                  ">= 0 (0 adds no load-balancing loss)")
+        _require(not (megatron.overlap_param_gather and not megatron.use_distributed_optimizer),
+                 f"{prefix}.overlap_param_gather", True,
+                 f"false or null with {prefix}.use_distributed_optimizer=false (without the distributed optimizer "
+                 "every rank holds the whole updated weights: there is nothing to gather)")
     _check_optim(f"{ACTOR}.optim", actor.optim)
     _check_positive(arr.ref, "actor_rollout_ref.ref", ("log_prob_max_token_len_per_gpu",))
     _check_positive(arr.ref, "actor_rollout_ref.ref", ("log_prob_micro_batch_size_per_gpu",), allow_none=True)

@@ -94,6 +94,8 @@ class MegatronActor(_PolicyMixin, TrainableWorker):
     ) -> None:
         super().__init__(model_chunks, config.optim, total_optimizer_steps,
                          use_distributed_optimizer=config.megatron.use_distributed_optimizer,
+                         overlap_grad_reduce=config.megatron.overlap_grad_reduce,
+                         overlap_param_gather=config.megatron.param_gather_overlapped(),
                          use_remove_padding=use_remove_padding, offload=config.megatron.offloaded_parts())
         self.config = config
         self.log_prob_batches = log_prob_batches

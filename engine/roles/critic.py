@@ -26,6 +26,8 @@ class MegatronCritic(TrainableWorker):
                  seed: int) -> None:
         super().__init__(model_chunks, config.optim, total_optimizer_steps,
                          use_distributed_optimizer=config.megatron.use_distributed_optimizer,
+                         overlap_grad_reduce=config.megatron.overlap_grad_reduce,
+                         overlap_param_gather=config.megatron.param_gather_overlapped(),
                          use_remove_padding=config.model.use_remove_padding, offload=config.megatron.offloaded_parts())
         self.config = config
         self.forward_batches = MicroBatchConfig.of(config.forward_micro_batch_size_per_gpu, config.use_dynamic_bsz,

@@ -19,11 +19,18 @@ def is_half_precision(model_config) -> bool:
     return bool(model_config.bf16 or model_config.fp16)
 
 
-def wrap_for_training(model_chunks: Sequence[torch.nn.Module], use_distributed_optimizer: bool) -> list[torch.nn.Module]:
+def wrap_for_training(model_chunks: Sequence[torch.nn.Module], use_distributed_optimizer: bool, *,
+                      overlap_grad_reduce: bool = False, overlap_param_gather: bool = False) -> list[torch.nn.Module]:
     """megatron DDP around each chunk (16-bit models inside megatron's Float16Module, which casts
     the last stage's output to fp32), with ``finalize_model_grads`` hooked into the model config:
     the DP gradient reduce(-scatter), the sequence-parallel norm-gradient all-reduce and
-    tied-embedding sync happen there. Gradients are accumulated and reduced in fp32."""
+    tied-embedding sync happen there. Gradients are accumulated and reduced in fp32.
+
+    The overlaps are wired into the model config as Megatron-LM's ``training.py`` does:
+    ``no_sync_func`` holds the reduce back until the last micro-batch, ``grad_sync_func`` (per chunk,
+    so interleaved chunks start their reduce when their backward ends) and, for the param gather of
+    interleaved chunks, ``param_sync_func`` (the schedule starts each chunk's gather before its
+    first forward)."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -31,16 +38,41 @@ def wrap_for_training(model_chunks: Sequence[torch.nn.Module], use_distributed_o
     )
     from megatron.core.transformer.module import Float16Module
 
+    if overlap_param_gather and not use_distributed_optimizer:
+        raise ValueError("overlap_param_gather needs the distributed optimizer (there is nothing to gather)")
     model_config = model_chunks[0].config
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=use_distributed_optimizer, grad_reduce_in_fp32=True
+        use_distributed_optimizer=use_distributed_optimizer, grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+        # Interleaved chunks: the schedule starts each chunk's gather (param_sync_func below); one
+        # chunk: each bucket's forward hook starts the next bucket's gather.
+        align_param_gather=overlap_param_gather and len(model_chunks) > 1,
     )
     wrapped = []
     for chunk in model_chunks:
         module = Float16Module(model_config, chunk) if is_half_precision(model_config) else chunk
         wrapped.append(DistributedDataParallel(model_config, ddp_config, module))
     model_config.finalize_model_grads_func = finalize_model_grads
+
+    def per_chunk(functions):
+        return functions[0] if len(functions) == 1 else functions
+
+    if overlap_grad_reduce:
+        model_config.no_sync_func = per_chunk([chunk.no_sync for chunk in wrapped])
+        model_config.grad_sync_func = per_chunk([chunk.start_grad_sync for chunk in wrapped])
+    if ddp_config.align_param_gather:
+        model_config.param_sync_func = [chunk.start_param_sync for chunk in wrapped]
     return wrapped
+
+
+def gather_updated_weights(ddp_chunks: Sequence[torch.nn.Module]) -> None:
+    """With ``overlap_param_gather`` the optimizer step leaves each rank with only its own shard of
+    the updated weights until the next forward pass gathers them; whatever reads the weights
+    between updates (the weight sync, the HF export, offload, the checkpoint) needs them whole now,
+    as Megatron-LM gathers before saving (``disable_forward_pre_hook``). A no-op otherwise."""
+    for chunk in ddp_chunks:
+        if chunk.ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
 
 
 def build_optimizer(ddp_chunks: Sequence[torch.nn.Module], config: OptimConfig, total_training_steps: int,

@@ -42,6 +42,7 @@ from engine.batching import (
 )
 from engine.config.model import OptimConfig
 from engine.roles import load_balancing
+from engine.roles.optim import gather_updated_weights
 from engine.roles.batch import RolloutBatch
 from parallel.offload import PARTS as OFFLOAD_PARTS
 from parallel.offload import ModelOffloader
@@ -362,11 +363,13 @@ class TrainableWorker(MegatronWorker):
     """A worker with megatron DDP, optimizer and LR schedule, running PPO-style updates."""
 
     def __init__(self, model_chunks, optim: OptimConfig, total_optimizer_steps: int, *,
-                 use_distributed_optimizer: bool, use_remove_padding: bool = True, offload: Sequence[str] = ()):
+                 use_distributed_optimizer: bool, overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+                 use_remove_padding: bool = True, offload: Sequence[str] = ()):
         from engine.roles.optim import build_optimizer, wrap_for_training
 
         _check_tensor_parallel_attributes(model_chunks)
-        ddp_chunks = wrap_for_training(model_chunks, use_distributed_optimizer)
+        ddp_chunks = wrap_for_training(model_chunks, use_distributed_optimizer, overlap_grad_reduce=overlap_grad_reduce,
+                                       overlap_param_gather=overlap_param_gather)
         self.optimizer, self.lr_scheduler = build_optimizer(ddp_chunks, optim, total_optimizer_steps,
                                                             use_distributed_optimizer)
         super().__init__(model_chunks, use_remove_padding=use_remove_padding, ddp_chunks=ddp_chunks,
@@ -454,6 +457,7 @@ class TrainableWorker(MegatronWorker):
                 for key, value in metrics.items():
                     totals[key] = totals.get(key, 0.0) + value
                     averaged_over[key] = averaged_over.get(key, 0) + 1
+        gather_updated_weights(self.ddp_chunks)
         return {f"{metric_prefix}/{key}": value / averaged_over[key] for key, value in totals.items()}
 
 

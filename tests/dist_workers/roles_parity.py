@@ -127,6 +127,10 @@ def run_layout(spec: dict, hf_dir: Path, seed: int, out_dir: Path, name: str) ->
     result["old_log_probs"] = old["log_probs"].tolist()
     result["entropy"] = old["entropy"].tolist()
     result["actor"] = actor.update_policy(replace(batch, old_log_probs=old["log_probs"]), TEMPERATURE)
+    # The experiment's defaults: gradient reduce and weight gather overlapped (megatron DDP); the
+    # weights read below are the gathered ones only if the update gathered them at its end.
+    result["overlap"] = [[chunk.ddp_config.overlap_grad_reduce, chunk.ddp_config.overlap_param_gather]
+                         for chunk in actor.ddp_chunks]
     weights = {"actor." + k: v for k, v in export_hf_state_dict(chunks).items()}
 
     critic_chunks = build_model_chunks(hf_dir, layout, value_head=True)
