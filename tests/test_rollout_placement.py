@@ -13,6 +13,7 @@ from engine.rollout import sglang_server
 from engine.rollout.base import RolloutError
 from engine.rollout.sglang_engine import SGLangRolloutConfig
 from engine.rollout.sglang_server import SGLangServer, SGLangServerConfig, visible_devices
+from tests.rollout_support import requires_sglang
 from parallel.hybrid_engine import GenerationLayout, HybridLayout, TrainingLayout
 from parallel.layout import LayoutError
 
@@ -125,3 +126,19 @@ def test_colocated_server_environment_releases_cuda_graphs_and_drops_the_trainer
     args, env = own.command()
     assert "--enable-memory-saver" not in args and "SGLANG_MEMORY_SAVER_CUDA_GRAPH" not in env
     assert "PYTORCH_CUDA_ALLOC_CONF" not in env
+
+
+@requires_sglang
+def test_servers_import_only_the_model_families_trident_trains(monkeypatch, tmp_path):
+    """SGLang's registry imports all ~250 of its model modules unless an external package names the
+    classes to use (1.5 s of CPU per TP worker): every server gets ours, which holds an SGLang class for
+    each model type Trident builds; a user's own package is kept."""
+    from engine.models.hf_config import MODEL_CLASS_PREFIXES
+    from engine.rollout.sglang_models import families
+
+    server = SGLangServer(SGLangServerConfig(model_path=str(tmp_path), log_path=tmp_path / "log", rollout=RolloutConfig()))
+    assert server.command()[1]["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "engine.rollout.sglang_models"
+    names = {entry.__name__ for entry in families.EntryClass}
+    assert {f"{prefix}ForCausalLM" for prefix in MODEL_CLASS_PREFIXES.values()} <= names
+    monkeypatch.setenv("SGLANG_EXTERNAL_MODEL_PACKAGE", "my_models")
+    assert server.command()[1]["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "my_models"

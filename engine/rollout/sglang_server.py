@@ -158,6 +158,7 @@ class SGLangServer:
             args.append("--trust-remote-code")
         env = dict(os.environ)
         env.pop(API_KEY_ENV, None)
+        env.setdefault("SGLANG_EXTERNAL_MODEL_PACKAGE", "engine.rollout.sglang_models")  # see that package
         if cfg.api_key:
             env[API_KEY_ENV] = cfg.api_key
         if needs_cpu_adaptation():
