@@ -242,33 +242,30 @@ def _serve(requests, control, model_path: str, rollout_fields: dict, launch: dic
                           free_bytes=_free_bytes(device))
         return report
 
-    handlers = {
+    _answer_requests(requests, {
         "generate": engine.generate, "begin_weight_update": engine.begin_weight_update,
         "push_weights": engine.push_weights, "end_weight_update": engine.end_weight_update,
         "release_memory": release_memory, "resume_memory": resume_memory, "memory": memory,
         "shutdown": lambda: None,
-    }
-    while True:
-        try:
-            operation, args = requests.recv()
-        except EOFError:  # the parent is gone
-            return
-        try:
-            requests.send(("ok", handlers[operation](*args)))
-        except BaseException as error:
-            requests.send(("error", (type(error).__name__, str(error))))
-        if operation == "shutdown":
-            return
+    })
 
 
 def _serve_control(control, engine) -> None:
-    handlers = {"pause_generation": engine.pause_generation, "continue_generation": engine.continue_generation}
+    _answer_requests(control, {"pause_generation": engine.pause_generation,
+                               "continue_generation": engine.continue_generation})
+
+
+def _answer_requests(connection, handlers: dict) -> None:
+    """Answer ``(operation, args)`` requests on ``connection`` with ``("ok", result)`` or
+    ``("error", (class name, message))``, until the parent is gone or asks for "shutdown"."""
     while True:
         try:
-            operation, args = control.recv()
-        except EOFError:
+            operation, args = connection.recv()
+        except EOFError:  # the parent is gone
             return
         try:
-            control.send(("ok", handlers[operation](*args)))
+            connection.send(("ok", handlers[operation](*args)))
         except BaseException as error:
-            control.send(("error", (type(error).__name__, str(error))))
+            connection.send(("error", (type(error).__name__, str(error))))
+        if operation == "shutdown":
+            return
