@@ -171,6 +171,10 @@ def destroy_model_parallel() -> None:
         dist.destroy_process_group()
 
 
+# Ports below this are left to services a node runs on well-known and registered ports.
+_LOW_PORT = 20000
+
+
 def address_towards(host: str, port: int) -> str:
     """This machine's IP address on the route to ``host`` (what a process there connects back to);
     a UDP ``connect`` picks the route without sending anything."""
@@ -182,9 +186,31 @@ def address_towards(host: str, port: int) -> str:
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port the OS reports free on ``host`` now (rendezvous and server ports of launchers and tests)."""
+    """A TCP port free on ``host`` now, for a process that binds it later (a server, a rendezvous).
+
+    Drawn at random below the kernel's ephemeral range: a port the OS hands out (``bind(host, 0)``,
+    the local end of any outgoing connection, gloo's and Ray's own sockets) comes from that range,
+    so it could be taken by any process on the node between this call and the later bind
+    (observed: an SGLang server of a 4-rank job lost its HTTP port that way and never served).
+    SGLang picks its scheduler's port the same way (``sglang/srt/utils/network.py``,
+    ``get_free_port_below_ephemeral``). The OS's own pick where no such range is left."""
+    import random
     import socket
 
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            ephemeral_low = int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    candidates = range(_LOW_PORT, ephemeral_low)
+    # The OS's randomness: ranks seeded alike draw different ports, and no job's seeded stream moves.
+    for port in random.SystemRandom().sample(candidates, min(64, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]

@@ -84,6 +84,30 @@ def test_server_that_fails_to_start_is_reported_with_its_log(tiny, tmp_path):
     assert "no-such-flag" in str(error.value)
 
 
+def test_a_server_whose_port_was_taken_starts_on_another(engine, tiny, tmp_path):
+    """The race of a port drawn free and taken before the server binds it, by the worst taker: another
+    SGLang server, which answers /health 200 there. The new server must not take that answer for its
+    own; it starts again on a fresh port and serves from there."""
+    taken = engine.servers[0].port
+    server = SGLangServer(SGLangServerConfig(model_path=str(tiny.path), log_path=tmp_path / "second.log",
+                                             rollout=RolloutConfig(startup_timeout_s=300)))
+    server.port, server.url = taken, f"http://127.0.0.1:{taken}"
+    try:
+        server.start()
+        first = server.process.pid
+        server.wait_until_ready()
+        assert not live_processes_in_group(first)  # the hung first launch is gone
+        assert server.port != taken and server.url.endswith(f":{server.port}")
+        log = (tmp_path / "second.log").read_text()
+        assert f"{taken}): address already in use" in log and f"--port {server.port}" in log
+        assert server._owns_port() and engine.servers[0]._owns_port()
+        assert server.post("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}})
+    finally:
+        server.stop()
+    assert not live_processes_in_group(server.process.pid)
+    assert engine.servers[0].is_healthy()  # the first server was left alone
+
+
 def test_killing_the_server_mid_request_names_its_log_and_leaves_no_process(engine):
     server = engine.servers[0]
     outcome = {}

@@ -134,3 +134,19 @@ def test_sglang_null_log_prob_is_a_named_error():
         _parse_sample(item)
     item["meta_info"]["output_token_logprobs"][1][0] = -0.25
     assert _parse_sample(item).log_probs == [-0.5, -0.25, -1.0]
+
+
+def test_free_ports_are_drawn_below_the_ephemeral_range_and_ignore_the_seed():
+    """Ports that the OS hands out to bind(0) and to outgoing connections (the ephemeral range) could
+    be taken by any process before a server binds them; ranks seeded alike still draw apart."""
+    import random
+
+    from parallel.state import find_free_port
+
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = []
+    for _ in range(8):
+        random.seed(0)
+        ports.append(find_free_port())
+    assert all(20000 <= port < low for port in ports), ports
+    assert len(set(ports)) > 1, ports

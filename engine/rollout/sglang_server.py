@@ -20,6 +20,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Sequence
 
+import psutil
 import requests
 
 from engine.config.actor_rollout_ref import RolloutConfig
@@ -32,6 +33,10 @@ from parallel.state import find_free_port
 # `python -m` this module starts a server (and is what `ps` shows for one).
 SERVER_MODULE = "engine.rollout.sglang_launch"
 LOG_TAIL_LINES = 30
+# Starts on a fresh port after the chosen one was taken before the server bound it (see wait_until_ready).
+PORT_ATTEMPTS = 3
+# What uvicorn logs, and then hangs, when the HTTP port is not free.
+PORT_TAKEN = "address already in use"
 # The setting that bounds each request, named when it times out (control and weight requests use
 # the weight-update timeout).
 TIMEOUT_SETTINGS = {"/generate": "actor_rollout_ref.rollout.request_timeout_s"}
@@ -116,6 +121,7 @@ class SGLangServer:
         self.url = f"http://{config.host}:{self.port}"
         self.log_path = Path(config.log_path)
         self.process: subprocess.Popen | None = None
+        self._log_offset = 0  # where this start's part of the (appended) log begins
         # A server another process started and supervises (``attach``): only HTTP requests from here.
         self.attached = False
         self._local = threading.local()
@@ -188,6 +194,7 @@ class SGLangServer:
         args, env = self.command()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
+            self._log_offset = log.tell()
             log.write(f"[trident] {' '.join(args)}\n".encode())
             log.flush()
             self.process = subprocess.Popen(
@@ -198,12 +205,31 @@ class SGLangServer:
         _LIVE_SERVERS.add(self)
 
     def wait_until_ready(self) -> None:
-        """Poll ``/health`` until it answers 200; raise if the process dies or time runs out."""
+        """Poll ``/health`` until this server's own process answers 200; raise if the process dies or
+        time runs out.
+
+        A chosen port can be taken by another process before the server binds it (a rank's port is
+        drawn while other ranks start their own servers): uvicorn then logs the bind error and the
+        launcher hangs instead of exiting, while another server on that port may answer ``/health``
+        for it. So the answer counts only from a port this server's process group listens on, and a
+        server that lost its port starts again on a fresh one (``PORT_ATTEMPTS`` in all)."""
         deadline = time.monotonic() + self.config.rollout.startup_timeout_s
+        attempts = 1
         while time.monotonic() < deadline:
             self.raise_if_crashed(grace_s=0.0)
+            if self._lost_its_port():
+                if self.config.port is not None or attempts == PORT_ATTEMPTS:
+                    self.stop()
+                    raise RolloutError(f"SGLang server port {self.port} on {self.config.host} is taken by another "
+                                       f"process ({attempts} port(s) tried); log {self.log_path}")
+                attempts += 1
+                self.stop()
+                self.port = find_free_port(self.config.host)
+                self.url = f"http://{self.config.host}:{self.port}"
+                self.start()
+                continue
             try:
-                if self._session().get(self.url + "/health", timeout=5).status_code == 200:
+                if self._session().get(self.url + "/health", timeout=5).status_code == 200 and self._owns_port():
                     self._check_api_key()
                     return
             except requests.RequestException:
@@ -215,6 +241,27 @@ class SGLangServer:
             f"(actor_rollout_ref.rollout.startup_timeout_s); "
             f"log {self.log_path}, last lines:\n{self.log_tail()}"
         )
+
+    def _lost_its_port(self) -> bool:
+        """Whether this start's log says the HTTP port was not free."""
+        try:
+            with open(self.log_path, errors="replace") as log:
+                log.seek(self._log_offset)
+                return any(PORT_TAKEN in line and str(self.port) in line for line in log)
+        except OSError:
+            return False
+
+    def _owns_port(self) -> bool:
+        """Whether the process listening on this server's port is one of its own group."""
+        if self.attached:
+            return True
+        for connection in psutil.net_connections(kind="tcp"):
+            if connection.status == psutil.CONN_LISTEN and connection.laddr and connection.laddr.port == self.port:
+                try:
+                    return connection.pid is not None and os.getpgid(connection.pid) == self.process.pid
+                except ProcessLookupError:
+                    return False
+        return False
 
     def _check_api_key(self) -> None:
         """Fail at once on a key the server refuses (its /health answers without one)."""
