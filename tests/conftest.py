@@ -22,12 +22,47 @@ def demo_model():
     return prepare_demo_model(REPO_ROOT / ".cache" / "models" / "demo-arith")
 
 
+# Wall seconds of the longest work units (an xdist group, or one test) in a fresh-clone `make test`
+# on the 2-core machine (pytest --durations=0, summed per unit); every other unit counts as 1 s.
+# Only the order of the suite depends on them: a stale number costs minutes at worst, never a result.
+UNIT_SECONDS = {
+    "tests/test_reward_model.py::test_ppo_on_the_reward_model_alone_raises_its_score_and_the_accuracy": 180,
+    "tests.test_reshard_dist": 155,
+    "rehearse:/models/Qwen2.5-72B-Instruct": 128,
+    "tests.test_observability": 123,
+    "tests.test_benchmark_suite": 117,
+    "tests/test_ppo_end_to_end.py::test_lora_learns_and_resumes_exactly": 113,
+    "rehearse:/models/Meta-Llama-3-70B-Instruct": 112,
+    "tests/test_ppo_end_to_end.py::test_reward_rises": 98,
+    "rehearse:models/Qwen3-8B": 90,
+    "rehearse:models/Qwen2.5-7B-Instruct": 89,
+    "tests.test_roles": 86,
+    "tests/test_disaggregated_rollout.py::test_pipeline_stages_push_their_own_weights_to_a_server_of_its_own": 73,
+    "tests/test_launch_two_nodes.py::test_two_node_rehearsal_matches_one_node": 73,
+    "rehearse:models/Qwen3-30B-A3B": 69,
+    "rehearse:models/Qwen2.5-0.5B-Instruct": 66,
+    "tests.test_lora": 64,
+    "tests/test_disaggregated_rollout.py::test_servers_on_a_node_of_their_own_serve_only_the_jobs_key": 63,
+    "tests/test_ppo_end_to_end.py::test_resume_continues_exactly": 63,
+    "tests/test_ppo_end_to_end.py::test_moe_with_expert_parallelism_trains_like_ep1_and_resumes": 55,
+    "tests/test_failure_cleanup.py::test_a_killed_rank_leaves_no_process_behind": 50,
+    "tests.test_models_smollm2": 49,
+    "tests/test_launch_ray.py::test_rollout_servers_on_a_node_of_their_own": 49,
+}
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """`make test` runs two xdist workers with ``--dist loadgroup``: a test that uses a module- or
     class-scoped fixture (a started SGLang server, one torchrun run that several tests read) is
     grouped with the rest of its module, so that fixture is built once, on one worker; every other
-    test goes to whichever worker is free. Tests may also name their group themselves."""
+    test goes to whichever worker is free. Tests may also name their group themselves.
+
+    xdist hands out work units (a group, or a lone test) in the order of the collection, two to each
+    worker at first, then one whenever a worker runs short. The units are put longest first, so no
+    long one starts last while the other worker idles; a unit's tests keep their own order. The
+    second unit does not need the demo model: the first one builds it (~1.5 min), under a lock
+    that a second worker could only wait on."""
     for item in items:
         if item.get_closest_marker("xdist_group") is not None:
             continue
@@ -35,3 +70,15 @@ def pytest_collection_modifyitems(config, items):
         definitions = fixture_info.name2fixturedefs.values() if fixture_info is not None else ()
         if any(defs and defs[-1].scope in ("module", "class", "package") for defs in definitions):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    units: dict[str, list] = {}
+    for item in items:
+        group = item.get_closest_marker("xdist_group")
+        units.setdefault(group.args[0] if group else item.nodeid, []).append(item)
+    order = sorted(units, key=lambda unit: -UNIT_SECONDS.get(unit, 1))  # stable: ties keep the file order
+    needs_demo = {unit: any("demo_model" in item.fixturenames for item in units[unit]) for unit in order}
+    if len(order) > 2 and needs_demo[order[0]] and needs_demo[order[1]]:
+        second = next((unit for unit in order if not needs_demo[unit]), None)
+        if second is not None:
+            order.remove(second)
+            order.insert(1, second)
+    items[:] = [item for unit in order for item in units[unit]]
