@@ -14,6 +14,7 @@ cached under ``.cache`` by a hash of the recipe and the demo model's, like the d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import random
@@ -113,6 +114,7 @@ def fit_demo_reward_model(demo_model, recipe: RewardFitRecipe = RewardFitRecipe(
             questions = [r.messages[-1]["content"] for r in records]
             truths = [r.ground_truth for r in records]
 
+            @functools.cache  # a question's answers repeat across the steps; the chat template is slow
             def encode(question: str, answer: str) -> list[int]:
                 text = tokenizer.apply_chat_template([{"role": "user", "content": question},
                                                       {"role": "assistant", "content": answer}], tokenize=False)

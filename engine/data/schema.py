@@ -108,7 +108,8 @@ def read_prompt_file(path: str | os.PathLike, prompt_key: str = PROMPT_COLUMN,
     if not Path(path).is_file():
         raise PromptSchemaError(path, f"file not found (listed in {files_key})")
     try:
-        table = pq.read_table(path)
+        # One file: ParquetFile reads it without read_table's import of pyarrow.dataset (~0.35 s a process).
+        table = pq.ParquetFile(path).read()
     except (pa.ArrowInvalid, OSError) as error:
         raise PromptSchemaError(path, f"not a readable Parquet file ({error})") from error
     required = ("data_source", prompt_key, "reward_model")
