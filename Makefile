@@ -48,9 +48,10 @@ demo: $(STAMP_BASE)
 
 # pytest exits 5 when it collected no test; make treats any non-zero exit as failure. Two xdist
 # workers: most tests wait on process start-up, servers and sockets, so two at once keep both cores
-# busy; tests sharing a module-scoped fixture stay on one worker (tests/conftest.py).
+# busy; tests sharing a module-scoped fixture stay on one worker, and the longest units go first
+# (tests/conftest.py; xdist would otherwise put the units with the most tests first).
 test: $(STAMP_BASE) $(STAMP_SGLANG) $(STAMP_TRL)
-	$(PY) -m pytest tests -n 2 --dist loadgroup
+	$(PY) -m pytest tests -n 2 --dist loadgroup --no-loadscope-reorder
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,5 +1,5 @@
 """`make test` runs two pytest-xdist workers; tests/conftest.py keeps a module's tests that share a
-module-scoped fixture on one worker (the fixture is built once), and spreads the rest. Checked on a
+module-scoped fixture on one worker (the fixture is built once), spreads the rest, longest first. Checked on a
 throw-away suite run the way `make test` runs this one."""
 from __future__ import annotations
 
@@ -40,9 +40,13 @@ def test_tests_sharing_a_module_fixture_stay_on_one_worker(tmp_path):
     suite = tmp_path / "suite" / "tests"
     suite.mkdir(parents=True)
     (suite / "__init__.py").write_text("")
-    shutil.copy(REPO_ROOT / "tests" / "conftest.py", suite / "conftest.py")
+    # One free test made the longest unit: it must be handed out first, before the shared group.
+    conftest = (REPO_ROOT / "tests" / "conftest.py").read_text()
+    (suite / "conftest.py").write_text(f"{conftest}\nUNIT_SECONDS['tests/test_free.py::test_free[5]'] = 100\n")
     (suite / "distributed.py").write_text(f"REPO_ROOT = {str(REPO_ROOT)!r}\n")  # what conftest imports
     (suite / "test_shared.py").write_text(SHARED)
+    # A second group: xdist's own order (most tests first) would hand out the two groups first.
+    (suite / "test_shared_too.py").write_text(SHARED.replace('"shared"', '"shared too"'))
     (suite / "test_free.py").write_text(FREE)
     log = tmp_path / "log.jsonl"
     # The Makefile's options, on the Makefile's own command line.
@@ -58,6 +62,8 @@ def test_tests_sharing_a_module_fixture_stay_on_one_worker(tmp_path):
     assert all(row["fixture_worker"] == row["worker"] for row in shared)
     free = {row["worker"] for row in rows if row["test"] == "free"}
     assert len(free) == 2, rows  # the rest is spread over both workers
+    longest = next(row for row in rows if (row["test"], row["index"]) == ("free", 5))
+    assert next(row for row in rows if row["worker"] == longest["worker"]) == longest, rows  # handed out first
 
 
 def _env() -> dict[str, str]:
