@@ -150,3 +150,29 @@ def test_free_ports_are_drawn_below_the_ephemeral_range_and_ignore_the_seed():
         ports.append(find_free_port())
     assert all(20000 <= port < low for port in ports), ports
     assert len(set(ports)) > 1, ports
+
+
+def test_an_external_server_address_that_refuses_connections_stops_the_wait(monkeypatch, tmp_path):
+    """A ``server_addresses`` entry with nothing behind it fails within REFUSED_LIMIT_S (60 s; 1 s
+    here), naming the address, instead of waiting out the 30-minute start-up timeout; a colocated
+    peer's server (attached, not external) may refuse while it loads and is waited for."""
+    import time
+
+    from engine.rollout import RolloutError, sglang_server
+    from engine.rollout.sglang_server import SGLangServer, SGLangServerConfig
+    from parallel.state import find_free_port
+
+    monkeypatch.setattr(sglang_server, "REFUSED_LIMIT_S", 1.0)
+    port = find_free_port()  # nothing listens there
+
+    def attached(external, startup_timeout_s):
+        return SGLangServer.attach(SGLangServerConfig(
+            model_path=str(tmp_path), log_path=tmp_path / "log", port=port,
+            rollout=RolloutConfig(startup_timeout_s=startup_timeout_s)), external=external)
+
+    started = time.monotonic()
+    with pytest.raises(RolloutError, match=rf"nothing answers at SGLang server http://127.0.0.1:{port} .*server_addresses"):
+        attached(True, 1800).wait_until_ready()
+    assert time.monotonic() - started < 10
+    with pytest.raises(RolloutError, match="was not ready after 4s"):
+        attached(False, 4).wait_until_ready()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import datetime
+import functools
 import logging
 import threading
 import time
@@ -198,7 +199,7 @@ class SGLangRolloutEngine(RolloutEngine):
         # The owner of the servers' weight-update sessions (not of their processes, for external ones).
         self.owns_servers = not config.attach_to
         self.servers = [
-            (SGLangServer.attach if running else SGLangServer)(
+            (functools.partial(SGLangServer.attach, external=bool(config.external_servers)) if running else SGLangServer)(
                 SGLangServerConfig(
                     model_path=config.model_path,
                     log_path=run_dir / f"sglang_replica{config.first_replica_index + i}.log",

@@ -37,6 +37,9 @@ LOG_TAIL_LINES = 30
 PORT_ATTEMPTS = 3
 # What uvicorn logs, and then hangs, when the HTTP port is not free.
 PORT_TAKEN = "address already in use"
+# An external server's address that refuses connections this long has no server behind it: the job
+# stops naming it instead of waiting out the start-up timeout (such servers are started ready).
+REFUSED_LIMIT_S = 60.0
 # The setting that bounds each request, named when it times out (control and weight requests use
 # the weight-update timeout).
 TIMEOUT_SETTINGS = {"/generate": "actor_rollout_ref.rollout.request_timeout_s"}
@@ -124,16 +127,20 @@ class SGLangServer:
         self._log_offset = 0  # where this start's part of the (appended) log begins
         # A server another process started and supervises (``attach``): only HTTP requests from here.
         self.attached = False
+        self.refused_limit_s: float | None = None  # see REFUSED_LIMIT_S
         self._local = threading.local()
 
     @classmethod
-    def attach(cls, config: SGLangServerConfig) -> "SGLangServer":
+    def attach(cls, config: SGLangServerConfig, external: bool = False) -> "SGLangServer":
         """A handle on a running server (``config.host``, ``config.port``) started by another process;
-        ``start``/``stop`` do nothing and a dead server shows as a failed request."""
+        ``start``/``stop`` do nothing and a dead server shows as a failed request. ``external``: a
+        server of ``rollout.server_addresses``, up before the job starts, so an address that refuses
+        connections for ``REFUSED_LIMIT_S`` stops the wait (a colocated peer's may still be loading)."""
         if config.port is None:
             raise ValueError("SGLangServer.attach needs the server's port")
         server = cls(config)
         server.attached = True
+        server.refused_limit_s = REFUSED_LIMIT_S if external else None
         return server
 
     def command(self) -> tuple[list[str], dict[str, str]]:
@@ -214,7 +221,7 @@ class SGLangServer:
         for it. So the answer counts only from a port this server's process group listens on, and a
         server that lost its port starts again on a fresh one (``PORT_ATTEMPTS`` in all)."""
         deadline = time.monotonic() + self.config.rollout.startup_timeout_s
-        attempts = 1
+        attempts, refused_since = 1, None
         while time.monotonic() < deadline:
             self.raise_if_crashed(grace_s=0.0)
             if self._lost_its_port():
@@ -232,6 +239,13 @@ class SGLangServer:
                 if self._session().get(self.url + "/health", timeout=5).status_code == 200 and self._owns_port():
                     self._check_api_key()
                     return
+                refused_since = None
+            except requests.ConnectionError as error:
+                refused_since = refused_since or time.monotonic()
+                if self.refused_limit_s is not None and time.monotonic() - refused_since > self.refused_limit_s:
+                    raise RolloutError(f"nothing answers at SGLang server {self.url} (actor_rollout_ref.rollout."
+                                       f"server_addresses): connections failed for {self.refused_limit_s:.0f}s "
+                                       f"({type(error).__name__}); is a server running there?") from None
             except requests.RequestException:
                 pass
             time.sleep(1.0)
