@@ -259,11 +259,12 @@ class SGLangServer:
     def _lost_its_port(self) -> bool:
         """Whether this start's log says the HTTP port was not free."""
         try:
-            with open(self.log_path, errors="replace") as log:
+            with open(self.log_path, "rb") as log:
                 log.seek(self._log_offset)
-                return any(PORT_TAKEN in line and str(self.port) in line for line in log)
+                lines = log.read().decode(errors="replace").splitlines()
         except OSError:
             return False
+        return any(PORT_TAKEN in line and str(self.port) in line for line in lines)
 
     def _owns_port(self) -> bool:
         """Whether the process listening on this server's port is one of its own group."""
