@@ -91,7 +91,7 @@ def test_a_server_whose_port_was_taken_starts_on_another(engine, tiny, tmp_path)
     taken = engine.servers[0].port
     server = SGLangServer(SGLangServerConfig(model_path=str(tiny.path), log_path=tmp_path / "second.log",
                                              rollout=RolloutConfig(startup_timeout_s=300)))
-    server.port, server.url = taken, f"http://127.0.0.1:{taken}"
+    server.port = taken
     try:
         server.start()
         first = server.process.pid

@@ -121,7 +121,6 @@ class SGLangServer:
     def __init__(self, config: SGLangServerConfig):
         self.config = config
         self.port = config.port or find_free_port(config.host)
-        self.url = f"http://{config.host}:{self.port}"
         self.log_path = Path(config.log_path)
         self.process: subprocess.Popen | None = None
         self._log_offset = 0  # where this start's part of the (appended) log begins
@@ -129,6 +128,10 @@ class SGLangServer:
         self.attached = False
         self.refused_limit_s: float | None = None  # see REFUSED_LIMIT_S
         self._local = threading.local()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
 
     @classmethod
     def attach(cls, config: SGLangServerConfig, external: bool = False) -> "SGLangServer":
@@ -232,7 +235,6 @@ class SGLangServer:
                 attempts += 1
                 self.stop()
                 self.port = find_free_port(self.config.host)
-                self.url = f"http://{self.config.host}:{self.port}"
                 self.start()
                 continue
             try:
