@@ -60,9 +60,13 @@ assert torch.ones(2).new_empty((3,), device="cuda").device.type == "cpu"
 assert torch.empty(1, device=torch.cuda.current_device()).device.type == "cpu"
 assert torch.ones(1).type() == "torch.cuda.FloatTensor"
 assert torch.ones(1).type("torch.cuda.HalfTensor").dtype == torch.float16
-# 16-bit products run as fp32 products rounded back: the same numbers as torch's own CPU kernel.
+# 16-bit products run as fp32 products rounded back: within one bf16 rounding of the float64
+# product (torch's own bf16 kernel sums in another order, so ~5% of such products differ from it
+# by one ulp somewhere; equality with it is not the property).
 a, b = torch.randn(32, 64).bfloat16(), torch.randn(64, 48).bfloat16()
-assert torch.equal(a @ b, torch.matmul.__wrapped__(a, b)) and (a @ b).dtype == torch.bfloat16
+exact = a.double() @ b.double()
+assert (a @ b).dtype == torch.bfloat16 and torch.allclose((a @ b).double(), exact, rtol=2**-8, atol=1e-5)
+assert torch.equal(a @ b, (a.float() @ b.float()).bfloat16())
 assert torch.nn.functional.linear(a, b.t()).dtype == torch.bfloat16
 # The model's forward pass and the backward step run without the mode (no per-call dispatch); the
 # unfused softmax, which builds its masks on "cuda", has it back.
