@@ -84,7 +84,7 @@ def run_layout(hf_dir: Path, tensor_model_parallel_size: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as scratch:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_root), os.environ.get("PYTHONPATH")]))}
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tensor_model_parallel_size}",
+        command = [sys.executable, "-m", "launch.torchrun", f"--nproc_per_node={tensor_model_parallel_size}",
                    "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={find_free_port()}",
                    str(Path(__file__).resolve()), "--worker", "--hf-dir", str(hf_dir),
                    "--tp", str(tensor_model_parallel_size), "--worker-out", scratch]

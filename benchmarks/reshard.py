@@ -176,7 +176,7 @@ def launch(layouts: list[str], world_size: int, repeats: int, bucket_megabytes: 
         out = Path(directory) / "records.json"
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TORCHDYNAMO_DISABLE": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
+        command = [sys.executable, "-m", "launch.torchrun", f"--nproc_per_node={world_size}",
                    f"--master_port={find_free_port()}", "-m", "benchmarks.reshard", "--worker-out", str(out),
                    "--repeats", str(repeats), "--bucket-megabytes", str(bucket_megabytes), "--layouts", *layouts]
         completed = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -181,7 +181,7 @@ def trident_command(case: Case, workload: Workload, steps: int, run_dir: Path) -
         overrides.append("actor_rollout_ref.rollout.tensor_model_parallel_size=1")
     from parallel.state import find_free_port
 
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={case.ranks}",
+    return [sys.executable, "-m", "launch.torchrun", f"--nproc_per_node={case.ranks}",
             "--master_addr=127.0.0.1", f"--master_port={find_free_port()}", "-m", "launch.main",
             str(workload.experiment), *overrides, *case.overrides]
 

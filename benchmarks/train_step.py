@@ -185,7 +185,7 @@ def main() -> None:
         for layout in args.layouts:
             tp, pp, _ = (int(x) for x in layout.split(","))
             worker_out = Path(tmp) / f"{layout.replace(',', '_')}.json"
-            command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp * pp}",
+            command = [sys.executable, "-m", "launch.torchrun", f"--nproc_per_node={tp * pp}",
                        "--master_addr=127.0.0.1", f"--master_port={find_free_port()}", "-m", "benchmarks.train_step",
                        "--worker", "--layout", layout, "--hf-dir", str(hf_dir), "--worker-out", str(worker_out),
                        *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in

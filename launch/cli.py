@@ -7,8 +7,9 @@
 input it names (``engine.trainer.preflight``: model folders, tokenizer, reward function, every
 prompt row): a mistake is one message and exit status 2, and nothing has been started. ``--check``
 stops there. Otherwise it runs ``launch.main`` on ``trainer.n_gpus_per_node`` ranks per node (the
-options override the launch, which the config must then match) through torchrun's own launcher,
-in this process: a rank's error message is printed once, however many ranks hit it, and a rank
+options override the launch, which the config must then match) through torchrun's own agent,
+in this process, with ranks forked from a process that has imported what they import
+(``launch.torchrun``): a rank's error message is printed once, however many ranks hit it, and a rank
 that died without one (killed, out of memory) is named with its exit code and its log file,
 without torchrun's stack dump.
 """
@@ -58,9 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def launch(args: argparse.Namespace, *, logs_dir: Path, nnodes: int, nproc: int) -> int:
-    """torchrun ``launch.main`` in this process; returns the job's exit status."""
+    """torchrun ``launch.main`` in this process (``launch.torchrun``); returns the job's exit status."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+
+    from launch import torchrun
 
     if nnodes > 1 and not args.rdzv_endpoint:
         print("[trident] error: a job of several nodes needs --rdzv-endpoint HOST:PORT (a host every node reaches)",
@@ -77,7 +79,7 @@ def launch(args: argparse.Namespace, *, logs_dir: Path, nnodes: int, nproc: int)
     # torchrun's agent logs each failure and its own stack dump; report_failures says it once, plainly.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
-        run(get_args_parser().parse_args(torchrun_args))
+        torchrun.run(torchrun_args)
         return 0
     except ChildFailedError as failure:
         return report_failures(failure, Path(error_dir), logs_dir)

@@ -108,6 +108,9 @@ def run(yaml_path: str, overrides: Sequence[str]) -> None:
     # From here on megatron, SGLang, Ray and their children write to the rank's log, not the terminal.
     rank = int(os.environ.get("RANK", "0"))
     capture_output(RunDirectory.create(cfg.trainer.default_local_dir).rank_log_file(rank), rank)
+    preloaded = sys.modules.get("launch.rank_imports")  # imported before this rank was forked (launch.torchrun)
+    if preloaded is not None:
+        sys.stderr.write(preloaded.import_output)
 
     from engine.trainer.ppo_trainer import run_ppo
     from parallel.state import destroy_model_parallel, initialize_model_parallel

@@ -335,7 +335,7 @@ def run_job(config_file: Path, world_size: int, log_file: Path, timeout_s: float
     from parallel.state import find_free_port
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
+    command = [sys.executable, "-m", "launch.torchrun", f"--nproc_per_node={world_size}",
                "--master_addr=127.0.0.1", f"--master_port={find_free_port()}", "-m", "launch.main", str(config_file)]
     deadline = time.monotonic() + timeout_s
     with open(log_file, "w") as log:

@@ -83,7 +83,7 @@ if [[ -z "$python" ]]; then
 fi
 
 command=(
-  "$python" -m torch.distributed.run
+  "$python" -m launch.torchrun
   --nnodes="$nnodes"
   --node-rank="$node_rank"
   --nproc-per-node="$nproc_per_node"

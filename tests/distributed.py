@@ -40,7 +40,7 @@ def run_torchrun(
         **(env or {}),
     }
     command = [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "launch.torchrun",
         f"--nproc_per_node={nproc}", "--nnodes=1",
         f"--master_addr=127.0.0.1", f"--master_port={find_free_port()}",
         str(script), *args,
@@ -63,7 +63,7 @@ def run_torchrun(
 def run_main_job(experiment: str, overrides: Sequence[str], nproc: int = 2, timeout: float = 900) -> None:
     """``torchrun --nproc_per_node nproc -m launch.main experiment overrides...`` on this machine."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+    command = [sys.executable, "-m", "launch.torchrun", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
                f"--master_port={find_free_port()}", "-m", "launch.main", experiment, *overrides]
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"{result.stdout[-4000:]}\n{result.stderr[-6000:]}"

@@ -84,7 +84,7 @@ def test_a_server_killed_mid_run_stops_the_job_with_a_clear_error(demo_model, tm
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     job = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+        [sys.executable, "-m", "launch.torchrun", "--nproc_per_node=2", "--master_addr=127.0.0.1",
          f"--master_port={find_free_port()}", "-m", "launch.main", "yaml/demo_cpu.yaml", *DISAGGREGATED,
          f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=50",
          "actor_rollout_ref.rollout.request_timeout_s=60", "actor_rollout_ref.rollout.weight_update_timeout_s=60"],
@@ -151,7 +151,7 @@ def test_servers_on_a_node_of_their_own_serve_only_the_jobs_key(demo_model, tmp_
 
     def trainers(api_key: str, steps: int, run_dir=run_dir) -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+            [sys.executable, "-m", "launch.torchrun", "--nproc_per_node=2", "--master_addr=127.0.0.1",
              f"--master_port={find_free_port()}", "-m", "launch.main", "yaml/demo_cpu.yaml", *SGLANG,
              "actor_rollout_ref.rollout.mode=disaggregated", f"actor_rollout_ref.rollout.server_addresses=[{address}]",
              f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={run_dir}",

@@ -10,6 +10,7 @@ wherever it was reparented.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,22 +35,17 @@ def parent_pid(pid: int) -> int | None:
 
 
 def rank_processes(marker: str) -> dict[int, int]:
-    """pid -> rank of the job's ranks: ``launch.main`` processes started by torchrun's agent (not
-    the processes a rank forks, such as dist-checkpointing's results Manager on CPU)."""
+    """pid -> rank of the job's ranks: the processes ``launch.torchrun`` forked and titled
+    ``rank R/W: ... launch.main ...`` (not the processes a rank forks, such as dist-checkpointing's
+    results Manager on CPU, which inherit the title)."""
     processes = processes_with(marker)
 
-    def runs_a_rank(command: str) -> bool:
-        return "launch.main" in command and "torch.distributed.run" not in command
+    def rank_of(command: str) -> int | None:
+        title = re.match(r"rank (\d+)/\d+: .*launch\.main", command)
+        return int(title.group(1)) if title else None
 
-    ranks = {}
-    for pid, command in processes.items():
-        if runs_a_rank(command) and not runs_a_rank(processes.get(parent_pid(pid), "")):
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            ranks.update({pid: int(entry[5:]) for entry in environ if entry.startswith(b"RANK=")})
-    return ranks
+    return {pid: rank_of(command) for pid, command in processes.items()
+            if rank_of(command) is not None and rank_of(processes.get(parent_pid(pid), "")) is None}
 
 
 def rank_pid(marker: str, rank: int) -> int | None:

@@ -28,7 +28,7 @@ def run(*command, env=None):
 
 def torchrun_args(line):
     words = shlex.split(line)
-    start = words.index("torch.distributed.run") + 1
+    start = words.index("launch.torchrun") + 1
     module = words.index("-m", start)
     options = dict(word.split("=", 1) for word in words[start:module])
     return options, words[module + 1], words[module + 2:]
