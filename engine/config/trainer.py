@@ -63,6 +63,11 @@ class TrainerConfig:
             servers' seeds (+ rank), the mini-batch shuffles.
         collective_timeout_minutes: how long a rank waits in a collective (NCCL/gloo) before the
             job fails; covers the slowest step of a 70B run (a checkpoint, a long rollout).
+        hang_timeout_minutes: a rank that spends longer than this in one phase of a PPO step (or
+            between two) is taken as hung: every rank writes its Python stacks to
+            ``<run>/logs/stacks/``, rank 0's terminal names the phase and the ranks that did not
+            arrive, and the job ends (``engine.trainer.watchdog``). null = 80% of
+            ``collective_timeout_minutes``; 0 = no watchdog.
         max_staleness: 0 = on-policy (each step trains on samples of its own starting weights);
             1 = one step off-policy: the rollout servers (``rollout.mode=disaggregated``) generate
             the next batch while the trainer trains on this one, so step k trains on samples of
@@ -88,6 +93,7 @@ class TrainerConfig:
     export_hf_at_end: bool = True
     seed: int = 1
     collective_timeout_minutes: int = 60
+    hang_timeout_minutes: float | None = None
     max_staleness: int = 0
     prometheus_port: int | None = None
     profile: ProfileConfig = field(default_factory=ProfileConfig)

@@ -256,6 +256,12 @@ def _check_ranges(config: ExperimentConfig) -> None:
         )
     _check_positive(trainer, "trainer", ("nnodes", "n_gpus_per_node", "total_epochs", "collective_timeout_minutes"))
     _check_positive(trainer, "trainer", ("total_training_steps", "max_ckpt_to_keep"), allow_none=True)
+    hang = trainer.hang_timeout_minutes
+    if hang is not None and not 0 <= hang < trainer.collective_timeout_minutes:
+        raise ConfigError(
+            f"trainer.hang_timeout_minutes={hang} must be 0 (off) or below trainer.collective_timeout_minutes="
+            f"{trainer.collective_timeout_minutes}: a hung collective would otherwise end the job before the "
+            "watchdog dumps the stacks and names the phase")
     for name in ("save_freq", "test_freq"):
         value = getattr(trainer, name)
         meaning = "-1 (only at the end)" if name == "save_freq" else "-1 (off)"

@@ -4,7 +4,8 @@ Layout of ``checkpoints_dir`` (one run's ``checkpoints/``)::
 
     latest                      text file naming the newest complete checkpoint ("step_40")
     step_40/
-        trident_checkpoint.json  written last (before the rename): step, models, layouts, time
+        trident_checkpoint.json  written last (before the rename): step, models, layouts, time, and
+                                 the manifest: every other file's size and SHA-256
         actor/                   megatron dist_checkpointing folder: model chunks, optimizer, LR scheduler
         critic/
         extra_state.pt           the caller's plain dict (KL controller, data sampler, global step ...)
@@ -14,7 +15,13 @@ Layout of ``checkpoints_dir`` (one run's ``checkpoints/``)::
 A save writes into ``step_N.tmp/``; after a barrier rank 0 renames it to ``step_N/`` and replaces
 ``latest`` with ``os.replace`` (both atomic on POSIX file systems), so a crash at any point leaves
 the previous checkpoint complete and pointed to. Only then are checkpoints beyond the newest
-``max_ckpt_to_keep`` deleted.
+``max_ckpt_to_keep`` deleted. Before writing, the free space of the file system is checked against
+the size the checkpoint will take (the previous one's, or the models' tensors for the first).
+
+A resume checks the chosen checkpoint against its manifest (the ranks hash the files between them).
+A damaged one (a truncated or changed shard, a missing file) is skipped for the newest older one
+that checks out, and the terminal says which and why; ``resume_mode=resume_path`` naming a damaged
+checkpoint stops with that message instead.
 
 Model weights and optimizer state are stored in model space (one tensor per parameter, whole
 across tensor/pipeline/data parallelism), so a checkpoint loads into a different TP/PP/VPP/DP
@@ -28,6 +35,7 @@ All ranks share one file system (dist_checkpointing requires it for multi-node j
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -43,6 +51,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from engine.trainer.console import say
 from parallel.state import control_group
 
 logger = logging.getLogger(__name__)
@@ -54,6 +63,11 @@ RNG_DIR = "rng"
 FORMAT_VERSION = 1
 DISTRIBUTED_OPTIMIZER_FORMAT = "fully_reshardable"
 RESUME_MODES = ("auto", "disable", "resume_path")
+MANIFEST_KEY = "files"  # in METADATA_FILE: relative path -> [size in bytes, SHA-256]
+# A first save's size from its models' tensors: each trained element also has an fp32 main copy
+# and Adam's two moments in the checkpoint; a margin covers the files' own headers and metadata.
+OPTIMIZER_BYTES_PER_ELEMENT = 12
+FREE_SPACE_MARGIN = 1.1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -119,6 +133,64 @@ def _write_text_atomically(path: Path, text: str) -> None:
         os.fsync(handle.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def _gathered(share: dict[str, Any]) -> dict[str, Any]:
+    """The union of every rank's ``share``, on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return dict(share)
+    shares: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, share, group=control_group())
+    return {key: value for part in shares for key, value in part.items()}
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _checkpoint_files(checkpoint_dir: Path) -> list[str]:
+    """Every file of a checkpoint folder but its metadata, as sorted relative paths."""
+    return sorted(str(path.relative_to(checkpoint_dir)) for path in checkpoint_dir.rglob("*")
+                  if path.is_file() and path.name != METADATA_FILE and not path.name.startswith(f".{METADATA_FILE}"))
+
+
+def _manifest(checkpoint_dir: Path) -> dict[str, list]:
+    """Size and SHA-256 of every file (collective: rank r hashes files r, r + W, ...)."""
+    files = _broadcast_from_rank0(_checkpoint_files(checkpoint_dir) if _rank() == 0 else None)
+    share = {name: [(checkpoint_dir / name).stat().st_size, _sha256(checkpoint_dir / name)]
+             for index, name in enumerate(files) if index % _world_size() == _rank()}
+    return dict(sorted(_gathered(share).items()))
+
+
+def checkpoint_problems(checkpoint_dir: str | Path) -> list[str]:
+    """What is wrong with a complete checkpoint's files, by its manifest; empty when it checks out
+    (collective where torch.distributed is initialised: the ranks hash the files between them)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    manifest = None
+    if _rank() == 0:
+        try:
+            manifest = read_checkpoint_metadata(checkpoint_dir).get(MANIFEST_KEY)
+        except (CheckpointError, ValueError, OSError) as error:
+            manifest = str(error)
+    manifest = _broadcast_from_rank0(manifest)
+    if isinstance(manifest, str):
+        return [manifest]
+    if manifest is None:  # written before checkpoints had manifests
+        logger.warning("%s has no manifest: its files are not verified", checkpoint_dir)
+        return []
+    problems = {}
+    for index, (name, (size, digest)) in enumerate(sorted(manifest.items())):
+        if index % _world_size() != _rank():
+            continue
+        path = checkpoint_dir / name
+        if not path.is_file():
+            problems[name] = f"{name} is missing"
+        elif path.stat().st_size != size:
+            problems[name] = f"{name} has {path.stat().st_size} bytes, the manifest says {size}"
+        elif _sha256(path) != digest:
+            problems[name] = f"{name} does not match its SHA-256 in the manifest"
+    return [problem for _, problem in sorted(_gathered(problems).items())]
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,7 +264,10 @@ def read_checkpoint_metadata(checkpoint_dir: str | Path) -> dict[str, Any]:
     path = Path(checkpoint_dir) / METADATA_FILE
     if not path.is_file():
         raise CheckpointError(f"{checkpoint_dir} is not a complete checkpoint: {METADATA_FILE} is missing")
-    metadata = json.loads(path.read_text())
+    try:
+        metadata = json.loads(path.read_text())
+    except ValueError as error:
+        raise CheckpointError(f"{path} is not valid JSON ({error}): the checkpoint is damaged") from None
     if metadata.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{path}: format_version {metadata.get('format_version')} is not {FORMAT_VERSION} (written by "
@@ -438,6 +513,7 @@ class CheckpointManager:
         started = time.perf_counter()
         final_dir = self.checkpoints_dir / step_dir_name(step)
         tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
+        self._check_free_space(final_dir, models)
         if _rank() == 0:
             if tmp_dir.exists():  # left by a crashed save of this step
                 shutil.rmtree(tmp_dir)
@@ -453,6 +529,7 @@ class CheckpointManager:
             layouts[name] = _layout_of_this_rank()
         _write_rank_state(tmp_dir, extra_state)
         _barrier()  # every rank's files are on disk
+        manifest = _manifest(tmp_dir)
 
         if _rank() == 0:
             metadata = {
@@ -460,6 +537,7 @@ class CheckpointManager:
                 "layouts": layouts, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "distributed_optimizer_format": DISTRIBUTED_OPTIMIZER_FORMAT,
                 "has_optimizer": {name: t.optimizer is not None for name, t in models.items()},
+                MANIFEST_KEY: manifest,
             }
             _write_text_atomically(tmp_dir / METADATA_FILE, json.dumps(metadata, indent=2))
             if final_dir.exists():  # re-saving a step (e.g. after resuming from an older one)
@@ -471,6 +549,27 @@ class CheckpointManager:
         _barrier()
         logger.info("saved checkpoint %s in %.1f s", final_dir, time.perf_counter() - started)
         return final_dir
+
+    def _check_free_space(self, final_dir: Path, models: Mapping[str, CheckpointTarget]) -> None:
+        """Stop before writing a checkpoint the file system cannot hold (collective): the size of
+        the newest complete checkpoint, or for the first one its models' tensors."""
+        expected = _tensor_bytes(models)
+        error = None
+        if _rank() == 0:
+            previous = list_checkpoints(self.checkpoints_dir)
+            if previous:
+                manifest = read_checkpoint_metadata(previous[-1][1]).get(MANIFEST_KEY) or {}
+                expected = sum(size for size, _ in manifest.values()) or expected
+            self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
+            free, needed = shutil.disk_usage(self.checkpoints_dir).free, int(expected * FREE_SPACE_MARGIN)
+            if free < needed:
+                error = (f"not enough disk space for checkpoint {final_dir}: {free / 2**30:.2f} GiB free on "
+                         f"{self.checkpoints_dir}'s file system, the checkpoint needs about {needed / 2**30:.2f} "
+                         "GiB (free some space, point trainer.default_local_dir elsewhere or set "
+                         "trainer.max_ckpt_to_keep)")
+        error = _broadcast_from_rank0(error)
+        if error is not None:
+            raise CheckpointError(error)
 
     def _prune(self, keep: Path) -> None:
         """Delete checkpoints beyond the newest ``max_ckpt_to_keep`` and leftovers of crashed saves."""
@@ -486,18 +585,39 @@ class CheckpointManager:
 
     # ---- resume -----------------------------------------------------------------------------
     def resolve_resume(self, resume_mode: str, resume_from_path: str | Path | None = None) -> Path | None:
-        """``resolve_resume_checkpoint`` decided on rank 0 and shared, so all ranks load the same one."""
-        choice = None
+        """``resolve_resume_checkpoint`` decided on rank 0 and shared, so all ranks load the same one,
+        then checked against its manifest: with ``auto`` a damaged checkpoint gives way to the
+        newest older one that checks out (said on the terminal); with ``resume_path`` it is an error."""
+        candidates = None
         error = None
         if _rank() == 0:
             try:
                 choice = resolve_resume_checkpoint(self.checkpoints_dir, resume_mode, resume_from_path)
+                candidates = [] if choice is None else [str(choice)]
+                if choice is not None and resume_mode == "auto":  # then the older ones, newest first
+                    candidates += [str(path) for step, path in reversed(list_checkpoints(self.checkpoints_dir))
+                                   if step < read_checkpoint_metadata(choice)["step"]]
             except CheckpointError as err:
                 error = str(err)
-        choice, error = _broadcast_from_rank0((choice and str(choice), error))
+        candidates, error = _broadcast_from_rank0((candidates, error))
         if error is not None:
             raise CheckpointError(error)
-        return Path(choice) if choice is not None else None
+        damaged = []
+        for candidate in map(Path, candidates):
+            problems = checkpoint_problems(candidate)
+            if not problems:
+                if damaged:
+                    say(f"[trident] resuming from {candidate}, the newest checkpoint that checks out: "
+                        + "; ".join(damaged))
+                return candidate
+            why = f"{candidate} is damaged ({problems[0]}" + (f", and {len(problems) - 1} more)" if len(problems) > 1 else ")")
+            if resume_mode == "resume_path":
+                raise CheckpointError(f"trainer.resume_from_path: {why}; resume from another checkpoint")
+            damaged.append(why)
+        if damaged:
+            raise CheckpointError(f"no checkpoint in {self.checkpoints_dir} checks out: " + "; ".join(damaged)
+                                  + " (move them away to start afresh, or set trainer.resume_mode=disable)")
+        return None
 
     def load(self, checkpoint_dir: str | Path, models: Mapping[str, CheckpointTarget], *,
              load_optimizer: bool = True, load_rng: bool = True) -> dict[str, Any]:
@@ -541,6 +661,24 @@ class CheckpointManager:
         logger.info("loaded checkpoint %s (models %s) in %.1f s", checkpoint_dir, sorted(models),
                     time.perf_counter() - started)
         return extra_state
+
+
+def _tensor_bytes(models: Mapping[str, CheckpointTarget]) -> int:
+    """Bytes the models' tensors take in a checkpoint, summed over the ranks' main replicas (collective)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+
+    total = 0
+    for target in models.values():
+        per_element = OPTIMIZER_BYTES_PER_ELEMENT if target.optimizer is not None else 0
+        for value in nested_values(_model_sharded_state_dict(target.model_chunks)):
+            if isinstance(value, ShardedTensor) and is_main_replica(value.replica_id):
+                total += value.data.numel() * (value.data.element_size() + per_element)
+    if dist.is_initialized():
+        summed = torch.tensor([total], dtype=torch.int64)
+        dist.all_reduce(summed, group=control_group())
+        total = int(summed.item())
+    return total
 
 
 def _write_rank_state(tmp_dir: Path, extra_state: Mapping[str, Any] | None) -> None:

@@ -29,6 +29,7 @@ from engine.roles import RolloutBatch
 from engine.rollout.base import CUDA_GRAPH, KV_CACHE, MEMORY_TAGS, WEIGHTS, SamplingParams
 from engine.rollout.memory import hand_back_cache, record
 from engine.sync import check_rollout_log_probs
+from engine.trainer import watchdog
 from engine.trainer.checkpoint import export_hf_model
 from engine.trainer.components import PPOComponents, build_components
 from engine.trainer.console import say
@@ -61,18 +62,21 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
         metrics = validate(cfg, parts)
         tracker.log(metrics, step)
     batches = training_batches(parts.train_loader, ahead=trainer.max_staleness > 0)
-    while step < parts.total_training_steps and not trainer.val_only:
-        prompts, upcoming, sampler_state = next(batches)
-        step += 1
-        last = step == parts.total_training_steps
-        with profiler.step(step):
-            metrics = ppo_iteration(cfg, parts, prompts, step, upcoming=None if last else upcoming)
-        if parts.val_loader is not None and trainer.test_freq > 0 and step % trainer.test_freq == 0:
-            metrics.update(validate(cfg, parts))
-        tracker.log(metrics, step)
-        # save_freq -1: only at the end of the run.
-        if last or (trainer.save_freq > 0 and step % trainer.save_freq == 0):
-            save_checkpoint(parts, step, sampler_state)
+    hang_minutes = watchdog.timeout_minutes(trainer.hang_timeout_minutes, trainer.collective_timeout_minutes)
+    with watchdog.watching(hang_minutes, run.stacks_dir, rank, dist.get_world_size()):
+        while step < parts.total_training_steps and not trainer.val_only:
+            prompts, upcoming, sampler_state = next(batches)
+            step += 1
+            watchdog.at_step(step)
+            last = step == parts.total_training_steps
+            with profiler.step(step):
+                metrics = ppo_iteration(cfg, parts, prompts, step, upcoming=None if last else upcoming)
+            if parts.val_loader is not None and trainer.test_freq > 0 and step % trainer.test_freq == 0:
+                metrics.update(validate(cfg, parts))
+            tracker.log(metrics, step)
+            # save_freq -1: only at the end of the run.
+            if last or (trainer.save_freq > 0 and step % trainer.save_freq == 0):
+                save_checkpoint(parts, step, sampler_state)
     tracker.close()
     if parts.engine is not None:
         parts.engine.shutdown()

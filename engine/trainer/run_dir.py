@@ -79,6 +79,11 @@ class RunDirectory:
     def hf_export_dir(self, model_name: str) -> Path:
         return self.root / "hf" / model_name
 
+    @property
+    def stacks_dir(self) -> Path:
+        """Every rank's Python stacks after a hang (``engine.trainer.watchdog``)."""
+        return self.logs_dir / "stacks"
+
     def rank_log_file(self, rank: int) -> Path:
         return self.logs_dir / f"rank_{rank:05d}.log"
 

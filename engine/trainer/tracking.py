@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from engine.config.trainer import LOGGERS
+from engine.trainer import watchdog
 from engine.trainer.loggers import (ConsoleSink, JsonlSink, MlflowSink, PrometheusSink, Sink, TensorBoardSink,
                                     WandbSink)
 from engine.trainer.run_dir import RunDirectory
@@ -98,12 +99,14 @@ def phase(name: str, metrics: dict[str, float], *, synchronize: bool = True) -> 
     ranges.enter_context(torch.profiler.record_function(f"trident/{name}"))
     if torch.cuda.is_available():
         ranges.enter_context(torch.cuda.nvtx.range(f"trident/{name}"))
+    watchdog.entered(name)
     try:
         with ranges:
             yield
     finally:
         if sync:
             torch.cuda.synchronize()
+        watchdog.left(name)
         key = f"timing_s/{name}"
         metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - started
         for kind, value in peak_memory_gb().items():

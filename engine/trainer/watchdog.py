@@ -1,0 +1,179 @@
+"""A hang that explains itself: a watchdog thread on every rank (``trainer.hang_timeout_minutes``).
+
+A rank stuck in a collective (NCCL, gloo) waits there until the collective's own timeout, with
+nothing on the screen, and even then the error names no phase and no culprit. Each rank here
+records what it is doing: the phase of the PPO step it is in (``engine.trainer.tracking.phase``
+reports entries and exits) or, between phases, the last one it left. A thread checks every second:
+
+1. when this rank has been in one activity longer than the timeout, it asks every rank for its
+   stacks by creating ``<run>/logs/stacks/REQUESTED`` (all ranks share the run directory's file
+   system, as for checkpoints);
+2. every rank's thread that sees the request writes ``stacks/rank_<r>.txt``: its activity and the
+   Python stacks of all its threads (``faulthandler``, which needs no GIL held by the stuck thread);
+3. rank 0 waits a few seconds for the other ranks' files, then says on its terminal which phase
+   hung, on which ranks, and which ranks did not arrive (they are elsewhere: an earlier phase, or
+   no file at all: a rank that is gone or hung below Python);
+4. every rank then exits (``HANG_EXIT_STATUS``): torchrun ends the job, each rank's reaper
+   (``engine.lifecycle``) stops what the rank started.
+
+Stands apart from the trainer's math: a thread, a clock and files; the test hook
+``TRIDENT_TEST_STALL=<rank>:<phase>`` makes that rank stop for good before entering that phase.
+"""
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.trainer.console import say_error
+
+logger = logging.getLogger(__name__)
+
+HANG_EXIT_STATUS = 3
+STALL_ENV = "TRIDENT_TEST_STALL"
+REQUEST_FILE = "REQUESTED"
+POLL_S = 1.0
+GATHER_S = 15.0  # how long rank 0 waits for the other ranks' stacks
+
+
+@dataclass
+class Activity:
+    """What a rank is doing: ``phase`` of ``step``, inside it or (``inside=False``) after it."""
+
+    phase: str = "start-up"
+    step: int = 0
+    inside: bool = False
+    since: float = 0.0
+
+    def describe(self, now: float) -> str:
+        where = f"in '{self.phase}'" if self.inside else f"after '{self.phase}'"
+        return f"{where} of step {self.step}, for {now - self.since:.0f} s"
+
+
+class HangWatchdog:
+    """The watchdog of one rank; ``start()`` it once the loop begins, ``stop()`` it at the end."""
+
+    def __init__(self, timeout_s: float, stacks_dir: Path, rank: int, world_size: int) -> None:
+        self.timeout_s, self.stacks_dir, self.rank, self.world_size = timeout_s, Path(stacks_dir), rank, world_size
+        self.activity = Activity(since=time.monotonic())
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="trident-hang-watchdog", daemon=True)
+
+    # ---- what the rank reports --------------------------------------------------------------
+    def at_step(self, step: int) -> None:
+        self.activity = Activity(self.activity.phase, step, self.activity.inside, self.activity.since)
+
+    def entered(self, phase: str) -> None:
+        self._stall_if_asked(phase)
+        self.activity = Activity(phase, self.activity.step, True, time.monotonic())
+
+    def left(self, phase: str) -> None:
+        self.activity = Activity(phase, self.activity.step, False, time.monotonic())
+
+    def _stall_if_asked(self, phase: str) -> None:
+        rank, _, stalled_phase = os.environ.get(STALL_ENV, "").partition(":")
+        if rank == str(self.rank) and stalled_phase == phase:
+            logger.warning("%s=%s: rank %d stops before '%s'", STALL_ENV, os.environ[STALL_ENV], self.rank, phase)
+            while True:
+                time.sleep(60)
+
+    # ---- the thread -------------------------------------------------------------------------
+    def start(self) -> None:
+        self.stacks_dir.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        request = self.stacks_dir / REQUEST_FILE
+        while not self._stop.wait(POLL_S):
+            activity, now = self.activity, time.monotonic()
+            if now - activity.since > self.timeout_s and not request.exists():
+                request.write_text(f"rank {self.rank}: {activity.describe(now)}\n")
+            if request.exists():
+                self._dump_and_exit(request)
+
+    def _dump_and_exit(self, request: Path) -> None:
+        now = time.monotonic()
+        stacks = self.stacks_dir / f"rank_{self.rank:05d}.txt"
+        with open(stacks.with_suffix(".tmp"), "w") as out:
+            out.write(f"rank {self.rank}: {self.activity.describe(now)}\n\n")
+            out.flush()
+            faulthandler.dump_traceback(out, all_threads=True)
+        stacks.with_suffix(".tmp").rename(stacks)  # whole, for rank 0 to read
+        if self.rank == 0:
+            say_error(self._summary(request))
+        logging.shutdown()
+        os._exit(HANG_EXIT_STATUS)
+
+    def _summary(self, request: Path) -> str:
+        """Rank 0's line: the hung phase, where each rank is, where the stacks are."""
+        deadline = time.monotonic() + GATHER_S
+        files = {}
+        while time.monotonic() < deadline:
+            files = {rank: self.stacks_dir / f"rank_{rank:05d}.txt" for rank in range(self.world_size)}
+            if all(path.exists() for path in files.values()):
+                break
+            time.sleep(0.5)
+        where = {rank: path.read_text().splitlines()[0].split(": ", 1)[1] for rank, path in files.items()
+                 if path.exists()}
+        mine = self.activity
+        arrived = [rank for rank, text in where.items() if text.startswith(f"in '{mine.phase}' of step {mine.step},")]
+        elsewhere = [f"rank {rank} is {text}" for rank, text in where.items() if rank not in arrived]
+        silent = [rank for rank in range(self.world_size) if rank not in where]
+        parts = [f"[trident] error: a hang: {request.read_text().strip()} > trainer.hang_timeout_minutes="
+                 f"{self.timeout_s / 60:g}; phase '{mine.phase}' of step {mine.step} holds rank(s) "
+                 f"{', '.join(map(str, arrived)) or 'none'}"]
+        if elsewhere:
+            parts.append("did not arrive: " + "; ".join(elsewhere))
+        if silent:
+            parts.append(f"no stacks from rank(s) {', '.join(map(str, silent))} (gone, or stuck below Python)")
+        parts.append(f"every rank's stacks: {self.stacks_dir}")
+        return "; ".join(parts)
+
+
+_WATCHDOG: HangWatchdog | None = None
+
+
+def timeout_minutes(hang_timeout_minutes: float | None, collective_timeout_minutes: float) -> float:
+    """``trainer.hang_timeout_minutes``, null meaning 80% of the collective timeout (so the watchdog
+    explains a hang before the collective's own timeout ends it with less to say); 0 = off."""
+    return 0.8 * collective_timeout_minutes if hang_timeout_minutes is None else hang_timeout_minutes
+
+
+@contextlib.contextmanager
+def watching(minutes: float, stacks_dir: Path, rank: int, world_size: int) -> Iterator[None]:
+    """A watchdog on this rank for the duration of the block (none for ``minutes`` 0)."""
+    global _WATCHDOG
+    if minutes <= 0:
+        yield
+        return
+    _WATCHDOG = HangWatchdog(minutes * 60, stacks_dir, rank, world_size)
+    _WATCHDOG.start()
+    try:
+        yield
+    finally:
+        _WATCHDOG.stop()
+        _WATCHDOG = None
+
+
+def at_step(step: int) -> None:
+    if _WATCHDOG is not None:
+        _WATCHDOG.at_step(step)
+
+
+def entered(phase: str) -> None:
+    if _WATCHDOG is not None:
+        _WATCHDOG.entered(phase)
+
+
+def left(phase: str) -> None:
+    if _WATCHDOG is not None:
+        _WATCHDOG.left(phase)

@@ -1,0 +1,57 @@
+"""A hang explains itself and ends: rank 1 of the demo stops for good before its 'adv' phase
+(``TRIDENT_TEST_STALL``), so rank 0 waits in a collective. Within ``trainer.hang_timeout_minutes``
+every rank has written its stacks, rank 0's terminal names the phase and the rank that did not
+arrive, the job has ended, and no process of it is left."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from engine.config import ConfigError, load_config
+from engine.trainer.watchdog import HANG_EXIT_STATUS, STALL_ENV, timeout_minutes
+from tests.distributed import REPO_ROOT, processes_with
+
+
+def test_the_timeout_defaults_below_the_collective_timeout_and_must_stay_there():
+    assert timeout_minutes(None, 60) == 48 and timeout_minutes(0, 60) == 0 and timeout_minutes(5, 60) == 5
+    base = ["trainer.n_gpus_per_node=1", "trainer.collective_timeout_minutes=10"]
+    assert load_config("yaml/demo_cpu.yaml", [*base, "trainer.hang_timeout_minutes=9.5"], world_size=1)
+    with pytest.raises(ConfigError, match="hang_timeout_minutes=10 must be 0 .* below trainer.collective_timeout_minutes=10"):
+        load_config("yaml/demo_cpu.yaml", [*base, "trainer.hang_timeout_minutes=10"], world_size=1)
+
+
+@pytest.mark.dist
+def test_a_stalled_rank_is_named_with_every_ranks_stacks_and_the_job_ends(demo_model, tmp_path):
+    marker = uuid.uuid4().hex
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", STALL_ENV: "1:adv", "TRIDENT_TEST_JOB": marker}
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "yaml/demo_cpu.yaml", f"trainer.default_local_dir={run_dir}",
+         "trainer.total_training_steps=3", "trainer.val_before_train=false", "trainer.test_freq=-1",
+         "trainer.save_freq=-1", "trainer.hang_timeout_minutes=0.25"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    took = time.monotonic() - started
+    assert result.returncode == HANG_EXIT_STATUS, result.stderr[-4000:]
+    hang = next(line for line in result.stderr.splitlines() if line.startswith("[trident] error: a hang:"))
+    assert "> trainer.hang_timeout_minutes=0.25" in hang, hang
+    assert "did not arrive: rank 1 is after 'reward' of step 1" in hang, hang
+    assert f"every rank's stacks: {run_dir / 'logs' / 'stacks'}" in hang, hang
+    stacks = {rank: (run_dir / "logs" / "stacks" / f"rank_{rank:05d}.txt").read_text() for rank in (0, 1)}
+    # Each rank wrote its own: rank 1 from inside the stall, rank 0 from a later phase of step 1.
+    assert stacks[1].startswith("rank 1: after 'reward' of step 1") and "_stall_if_asked" in stacks[1]
+    assert stacks[0].startswith("rank 0: in '") and "of step 1" in stacks[0].splitlines()[0]
+    assert "_stall_if_asked" not in stacks[0] and "ppo_iteration" in stacks[0]
+    assert took < 180, took  # the timeout, not the 60-minute collective timeout, ended it
+    deadline = time.monotonic() + 30
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(1)
+    left = processes_with(marker)
+    for pid in left:
+        os.kill(pid, 9)
+    assert not left, left
