@@ -259,7 +259,7 @@ def _check_ranges(config: ExperimentConfig) -> None:
     hang = trainer.hang_timeout_minutes
     if hang is not None and not 0 <= hang < trainer.collective_timeout_minutes:
         raise ConfigError(
-            f"trainer.hang_timeout_minutes={hang} must be 0 (off) or below trainer.collective_timeout_minutes="
+            f"trainer.hang_timeout_minutes={hang:g} must be 0 (off) or below trainer.collective_timeout_minutes="
             f"{trainer.collective_timeout_minutes}: a hung collective would otherwise end the job before the "
             "watchdog dumps the stacks and names the phase")
     for name in ("save_freq", "test_freq"):

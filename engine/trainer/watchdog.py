@@ -96,7 +96,12 @@ class HangWatchdog:
         while not self._stop.wait(POLL_S):
             activity, now = self.activity, time.monotonic()
             if now - activity.since > self.timeout_s and not request.exists():
-                request.write_text(f"rank {self.rank}: {activity.describe(now)}\n")
+                try:  # the first rank to ask names the hang; the others find the file there
+                    descriptor = os.open(request, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                    os.write(descriptor, f"rank {self.rank}: {activity.describe(now)}\n".encode())
+                    os.close(descriptor)
+                except FileExistsError:
+                    pass
             if request.exists():
                 self._dump_and_exit(request)
 
@@ -128,7 +133,8 @@ class HangWatchdog:
         arrived = [rank for rank, text in where.items() if text.startswith(f"in '{mine.phase}' of step {mine.step},")]
         elsewhere = [f"rank {rank} is {text}" for rank, text in where.items() if rank not in arrived]
         silent = [rank for rank in range(self.world_size) if rank not in where]
-        parts = [f"[trident] error: a hang: {request.read_text().strip()} > trainer.hang_timeout_minutes="
+        first = (request.read_text().splitlines() or ["a rank"])[0]
+        parts = [f"[trident] error: a hang: {first} > trainer.hang_timeout_minutes="
                  f"{self.timeout_s / 60:g}; phase '{mine.phase}' of step {mine.step} holds rank(s) "
                  f"{', '.join(map(str, arrived)) or 'none'}"]
         if elsewhere:
