@@ -15,8 +15,8 @@ would.
 A forked rank is made to look and behave like torchrun's:
 - it leads a session of its own (torchrun's ``Popen(start_new_session=True)``), so its reaper can
   kill its process group (``engine.lifecycle``);
-- its title in ``ps``/``top`` is ``rank R/W: <the command torchrun would have run>`` (setproctitle,
-  keeping ``/proc/<pid>/environ`` intact);
+- its title in ``ps``/``top`` is ``rank R/W: <the command torchrun would have run>`` (its
+  ``/proc/<pid>/environ`` stays as it was);
 - its ``atexit`` hooks run when it ends (a multiprocessing child would skip them: they stop the
   SGLang servers a rank started), and its exit status is the program's own.
 
@@ -26,14 +26,17 @@ The forkserver must not initialise CUDA, or no rank forked from it could use the
 from __future__ import annotations
 
 import atexit
+import ctypes
 import multiprocessing
 import os
 import runpy
 import shlex
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 PRELOAD_MODULE = "launch.rank_imports"
+PR_SET_NAME = 15  # prctl(2)
 
 
 def run_rank(*command: str) -> None:
@@ -69,13 +72,18 @@ def run_rank(*command: str) -> None:
 
 
 def _set_title(title: str) -> None:
-    """``ps`` shows the rank, not the forkserver's command line, without rewriting the environment
-    that ``/proc/<pid>/environ`` shows (the title is cut at the length of the server's command line)."""
-    import setproctitle
+    """``ps``/``top`` show the rank instead of the forkserver's command line.
 
-    os.environ["SPT_NOENV"] = "1"
-    setproctitle.setproctitle(title)
-    os.environ.pop("SPT_NOENV")
+    ``/proc/<pid>/cmdline`` is the memory the kernel recorded as the process's arguments
+    (``arg_start``..``arg_end``, fields 48-49 of ``/proc/self/stat``); the title overwrites it, cut
+    to its length and padded with NULs, and the first 15 bytes become the thread name (``comm``).
+    That is what setproctitle does, but its search for that memory walks back from the
+    environment, which torch's worker wrapper has moved by now. Python keeps its own copy of argv."""
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    start, end = int(fields[45]), int(fields[46])
+    text = title.encode()[: end - start - 1]
+    ctypes.memmove(start, text + b"\0" * (end - start - len(text)), end - start)
+    ctypes.CDLL(None).prctl(PR_SET_NAME, text[:15], 0, 0, 0)
 
 
 def run(argv: Sequence[str]) -> None:
