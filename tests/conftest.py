@@ -48,6 +48,8 @@ UNIT_SECONDS = {
     "tests/test_failure_cleanup.py::test_a_killed_rank_leaves_no_process_behind": 50,
     "tests.test_models_smollm2": 49,
     "tests/test_launch_ray.py::test_rollout_servers_on_a_node_of_their_own": 49,
+    "tests/test_checkpoint_integrity.py::test_a_truncated_shard_in_the_latest_checkpoint": 50,
+    "tests/test_hang_watchdog.py::test_a_stalled_rank_is_named_with_every_ranks_stacks_and_the_job_ends": 35,
 }
 
 

@@ -34,12 +34,12 @@ def test_a_stalled_rank_is_named_with_every_ranks_stacks_and_the_job_ends(demo_m
     result = subprocess.run(
         [sys.executable, "-m", "launch.cli", "yaml/demo_cpu.yaml", f"trainer.default_local_dir={run_dir}",
          "trainer.total_training_steps=3", "trainer.val_before_train=false", "trainer.test_freq=-1",
-         "trainer.save_freq=-1", "trainer.hang_timeout_minutes=0.25"],
+         "trainer.save_freq=-1", "trainer.hang_timeout_minutes=0.2"],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     took = time.monotonic() - started
     assert result.returncode == HANG_EXIT_STATUS, result.stderr[-4000:]
     hang = next(line for line in result.stderr.splitlines() if line.startswith("[trident] error: a hang:"))
-    assert "> trainer.hang_timeout_minutes=0.25" in hang, hang
+    assert "> trainer.hang_timeout_minutes=0.2" in hang, hang
     assert "did not arrive: rank 1 is after 'reward' of step 1" in hang, hang
     assert f"every rank's stacks: {run_dir / 'logs' / 'stacks'}" in hang, hang
     stacks = {rank: (run_dir / "logs" / "stacks" / f"rank_{rank:05d}.txt").read_text() for rank in (0, 1)}

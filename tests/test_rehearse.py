@@ -12,6 +12,7 @@ import transformers
 
 from engine.config import load_config
 from engine.models.hf_config import architecture_from_hf
+import launch.rehearse
 from launch import prepare_smollm2_example
 from launch.plan import KNOWN_ARCHITECTURES
 from launch.rehearse import _generation_tp, plan_rehearsal, tiny_model_config, write_tiny_model
@@ -133,6 +134,18 @@ def rehearse(experiment: str, out_dir: Path, *args: str) -> subprocess.Completed
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=1500)
 
 
+def rehearse_in_this_process(experiment: str, out_dir: Path, capsys) -> SimpleNamespace:
+    """``python -m launch.rehearse experiment --out out_dir`` as its ``main``, in this process (which
+    has imported what planning needs; the job itself is a torchrun of its own either way)."""
+    try:
+        launch.rehearse.main([experiment, "--out", str(out_dir)])
+        returncode = 0
+    except SystemExit as end:
+        returncode = end.code
+    output = capsys.readouterr()
+    return SimpleNamespace(returncode=returncode, stdout=output.out, stderr=output.err)
+
+
 def rehearsal_identity(out_dir: Path) -> str:
     """The rehearsal's config without what only names the run (experiment name, its folders), and
     its tiny model's config.json: two experiments of one layout on different model families (the
@@ -153,7 +166,7 @@ def marks(experiment: str) -> list:
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("experiment", [pytest.param(name, marks=marks(name)) for name in EXPERIMENTS])
-def test_every_experiment_rehearses(experiment, demo_model, tmp_path, monkeypatch):
+def test_every_experiment_rehearses(experiment, demo_model, tmp_path, monkeypatch, capsys):
     """Each file's rehearsal runs, unless an identical rehearsal already passed in this session: the
     8- and 16-node recipes of a model differ in sizes that the rehearsal caps (PP 8 vs 4, VPP 2 vs 5,
     DP 1 vs 4 all become 2, 2, 1), so their rehearsal configs are byte-identical but for the name."""
@@ -166,7 +179,7 @@ def test_every_experiment_rehearses(experiment, demo_model, tmp_path, monkeypatc
     if identity in _PASSED:
         print(f"{experiment}: the same rehearsal as {_PASSED[identity]}, which passed")
         return
-    result = rehearse(experiment, tmp_path)
+    result = rehearse_in_this_process(experiment, tmp_path, capsys)
     log = tmp_path / "job.log"
     assert result.returncode == 0, (f"{result.stdout[-4000:]}\n{result.stderr[-6000:]}\n"
                                     f"{log.read_text()[-6000:] if log.exists() else ''}")
