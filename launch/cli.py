@@ -78,6 +78,7 @@ def launch(args: argparse.Namespace, *, logs_dir: Path, nnodes: int, nproc: int)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # torchrun's agent logs each failure and its own stack dump; report_failures says it once, plainly.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.CRITICAL)  # "Terminating process ..."
     try:
         torchrun.run(torchrun_args)
         return 0

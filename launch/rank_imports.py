@@ -2,11 +2,12 @@
 
 Nothing here may initialise CUDA (a process forked after that cannot use the GPU), hence:
 - ``torch.cuda.is_available()`` asks NVML, as ``PYTORCH_NVML_BASED_CUDA_CHECK`` makes it, not the
-  CUDA runtime (whose device count initialises the driver);
+  CUDA runtime, whose ``cudaGetDeviceCount`` initialises the driver (torch 2.14.1,
+  ``torch/cuda/__init__.py``, ``is_available``: "will NOT poison fork if ... set");
 - megatron-core, and the trainer that imports it, only where no GPU is present: with CUDA,
   megatron imports transformer-engine, whose import may initialise it. There, ranks import them
   after the fork, as under plain torchrun;
-- the end of the import checks it.
+- the end of the import checks that torch has not initialised CUDA (``torch.cuda.is_initialized``).
 Importing a module here changes nothing a rank computes: it is the same code a rank would import
 first thing, run once. What the imports print (megatron's warnings about missing TE and Apex) is
 kept in ``import_output``: a rank writes it into its own log (``launch.main``), where it went

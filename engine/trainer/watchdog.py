@@ -10,10 +10,11 @@ reports entries and exits) or, between phases, the last one it left. A thread ch
    system, as for checkpoints);
 2. every rank's thread that sees the request writes ``stacks/rank_<r>.txt``: its activity and the
    Python stacks of all its threads (``faulthandler``, which needs no GIL held by the stuck thread);
-3. rank 0 waits a few seconds for the other ranks' files, then says on its terminal which phase
-   hung, on which ranks, and which ranks did not arrive (they are elsewhere: an earlier phase, or
-   no file at all: a rank that is gone or hung below Python);
-4. every rank then exits (``HANG_EXIT_STATUS``): torchrun ends the job, each rank's reaper
+3. each rank waits a few seconds for every rank's file; rank 0 then says on its terminal which
+   phase hung, on which ranks, and which ranks did not arrive (they are elsewhere: an earlier
+   phase, or no file at all: a rank that is gone or hung below Python);
+4. rank 0 exits (``HANG_EXIT_STATUS``), the others once it has reported (torchrun stops every rank
+   as soon as one exits: rank 0 must have spoken by then); each rank's reaper
    (``engine.lifecycle``) stops what the rank started.
 
 Stands apart from the trainer's math: a thread, a clock and files; the test hook
@@ -38,8 +39,10 @@ logger = logging.getLogger(__name__)
 HANG_EXIT_STATUS = 3
 STALL_ENV = "TRIDENT_TEST_STALL"
 REQUEST_FILE = "REQUESTED"
+REPORTED_FILE = "REPORTED"
 POLL_S = 1.0
-GATHER_S = 15.0  # how long rank 0 waits for the other ranks' stacks
+GATHER_S = 15.0  # how long each rank waits for every rank's stacks
+REPORT_WAIT_S = 10.0  # then how long the others wait for rank 0's report before they exit
 
 
 @dataclass
@@ -106,27 +109,43 @@ class HangWatchdog:
                 self._dump_and_exit(request)
 
     def _dump_and_exit(self, request: Path) -> None:
+        """Write this rank's stacks; wait for every rank's; rank 0 reports, then all exit. No rank
+        exits before rank 0 has reported: torchrun stops the other ranks as soon as one exits, and
+        a rank whose main thread is running Python then ends at once (SIGTERM), unreported."""
         now = time.monotonic()
-        stacks = self.stacks_dir / f"rank_{self.rank:05d}.txt"
+        stacks = self._stacks_file(self.rank)
         with open(stacks.with_suffix(".tmp"), "w") as out:
             out.write(f"rank {self.rank}: {self.activity.describe(now)}\n\n")
             out.flush()
             faulthandler.dump_traceback(out, all_threads=True)
         stacks.with_suffix(".tmp").rename(stacks)  # whole, for rank 0 to read
+        self._wait_for(lambda: all(self._stacks_file(rank).exists() for rank in range(self.world_size)), GATHER_S)
+        reported = self.stacks_dir / REPORTED_FILE
         if self.rank == 0:
             say_error(self._summary(request))
+            reported.touch()
+        elif not self._wait_for(reported.exists, REPORT_WAIT_S) and request.read_text().startswith(f"rank {self.rank}:"):
+            say_error(f"[trident] error: a hang: {request.read_text().strip()} > trainer.hang_timeout_minutes="
+                      f"{self.timeout_s / 60:g}; rank 0 did not report (gone, or stuck below Python); "
+                      f"every rank's stacks: {self.stacks_dir}")
         logging.shutdown()
         os._exit(HANG_EXIT_STATUS)
 
+    def _stacks_file(self, rank: int) -> Path:
+        return self.stacks_dir / f"rank_{rank:05d}.txt"
+
+    @staticmethod
+    def _wait_for(condition, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while not condition():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        return True
+
     def _summary(self, request: Path) -> str:
         """Rank 0's line: the hung phase, where each rank is, where the stacks are."""
-        deadline = time.monotonic() + GATHER_S
-        files = {}
-        while time.monotonic() < deadline:
-            files = {rank: self.stacks_dir / f"rank_{rank:05d}.txt" for rank in range(self.world_size)}
-            if all(path.exists() for path in files.values()):
-                break
-            time.sleep(0.5)
+        files = {rank: self._stacks_file(rank) for rank in range(self.world_size)}
         where = {rank: path.read_text().splitlines()[0].split(": ", 1)[1] for rank, path in files.items()
                  if path.exists()}
         mine = self.activity
