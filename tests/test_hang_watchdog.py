@@ -25,6 +25,30 @@ def test_the_timeout_defaults_below_the_collective_timeout_and_must_stay_there()
         load_config("yaml/demo_cpu.yaml", [*base, "trainer.hang_timeout_minutes=10"], world_size=1)
 
 
+RESUMED_AFTER_A_HANG = r"""
+import sys, time
+from pathlib import Path
+from engine.trainer import watchdog
+stacks = Path(sys.argv[1])
+stacks.mkdir(parents=True)
+(stacks / watchdog.REQUEST_FILE).write_text("rank 1: in 'gen' of step 4, for 99 s\n")
+(stacks / "rank_00000.txt").write_text("rank 0: in 'gen' of step 4, for 99 s\n")
+with watchdog.watching(1.0, stacks, rank=0, world_size=1):
+    time.sleep(3 * watchdog.POLL_S)  # the thread has looked at the folder several times
+print("RAN-ON")
+"""
+
+
+def test_a_run_resumed_after_a_hang_keeps_the_old_stacks_and_runs_on(tmp_path):
+    stacks = tmp_path / "logs" / "stacks"
+    result = subprocess.run([sys.executable, "-c", RESUMED_AFTER_A_HANG, str(stacks)], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "RAN-ON" in result.stdout, (result.returncode, result.stderr[-3000:])
+    earlier = [path for path in (tmp_path / "logs").iterdir() if path.name.startswith("stacks-")]
+    assert len(earlier) == 1 and (earlier[0] / "rank_00000.txt").read_text().startswith("rank 0: in 'gen' of step 4")
+    assert not (stacks / "REQUESTED").exists()
+
+
 @pytest.mark.dist
 def test_a_stalled_rank_is_named_with_every_ranks_stacks_and_the_job_ends(demo_model, tmp_path):
     marker = uuid.uuid4().hex

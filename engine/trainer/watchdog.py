@@ -17,7 +17,8 @@ reports entries and exits) or, between phases, the last one it left. A thread ch
    as soon as one exits: rank 0 must have spoken by then); each rank's reaper
    (``engine.lifecycle``) stops what the rank started.
 
-Stands apart from the trainer's math: a thread, a clock and files; the test hook
+A run resumed in the same run directory moves an earlier hang's ``stacks/`` to ``stacks-<time>``
+before its watchdogs start. Stands apart from the trainer's math: a thread, a clock and files; the test hook
 ``TRIDENT_TEST_STALL=<rank>:<phase>`` makes that rank stop for good before entering that phase.
 """
 from __future__ import annotations
@@ -32,7 +33,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch.distributed as dist
+
 from engine.trainer.console import say_error
+from parallel.state import control_group
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +129,7 @@ class HangWatchdog:
             say_error(self._summary(request))
             reported.touch()
         elif not self._wait_for(reported.exists, REPORT_WAIT_S) and request.read_text().startswith(f"rank {self.rank}:"):
-            say_error(f"[trident] error: a hang: {request.read_text().strip()} > trainer.hang_timeout_minutes="
-                      f"{self.timeout_s / 60:g}; rank 0 did not report (gone, or stuck below Python); "
+            say_error(f"{self._headline(request)}; rank 0 did not report (gone, or stuck below Python); "
                       f"every rank's stacks: {self.stacks_dir}")
         logging.shutdown()
         os._exit(HANG_EXIT_STATUS)
@@ -143,6 +146,11 @@ class HangWatchdog:
             time.sleep(0.2)
         return True
 
+    def _headline(self, request: Path) -> str:
+        """Who asked for the stacks, and the limit it passed."""
+        first = (request.read_text().splitlines() or ["a rank"])[0]
+        return f"[trident] error: a hang: {first} > trainer.hang_timeout_minutes={self.timeout_s / 60:g}"
+
     def _summary(self, request: Path) -> str:
         """Rank 0's line: the hung phase, where each rank is, where the stacks are."""
         files = {rank: self._stacks_file(rank) for rank in range(self.world_size)}
@@ -152,9 +160,7 @@ class HangWatchdog:
         arrived = [rank for rank, text in where.items() if text.startswith(f"in '{mine.phase}' of step {mine.step},")]
         elsewhere = [f"rank {rank} is {text}" for rank, text in where.items() if rank not in arrived]
         silent = [rank for rank in range(self.world_size) if rank not in where]
-        first = (request.read_text().splitlines() or ["a rank"])[0]
-        parts = [f"[trident] error: a hang: {first} > trainer.hang_timeout_minutes="
-                 f"{self.timeout_s / 60:g}; phase '{mine.phase}' of step {mine.step} holds rank(s) "
+        parts = [f"{self._headline(request)}; phase '{mine.phase}' of step {mine.step} holds rank(s) "
                  f"{', '.join(map(str, arrived)) or 'none'}"]
         if elsewhere:
             parts.append("did not arrive: " + "; ".join(elsewhere))
@@ -180,6 +186,7 @@ def watching(minutes: float, stacks_dir: Path, rank: int, world_size: int) -> It
     if minutes <= 0:
         yield
         return
+    _set_aside_an_earlier_hang(Path(stacks_dir), rank)
     _WATCHDOG = HangWatchdog(minutes * 60, stacks_dir, rank, world_size)
     _WATCHDOG.start()
     try:
@@ -187,6 +194,16 @@ def watching(minutes: float, stacks_dir: Path, rank: int, world_size: int) -> It
     finally:
         _WATCHDOG.stop()
         _WATCHDOG = None
+
+
+def _set_aside_an_earlier_hang(stacks_dir: Path, rank: int) -> None:
+    """A run resumed in the run directory of one that hung finds its REQUESTED file and stacks:
+    rank 0 moves them to ``stacks-<time>`` (kept for reading) before any rank's watchdog starts,
+    or every rank would take the old request for a new one and end at once (collective)."""
+    if rank == 0 and stacks_dir.exists():
+        stacks_dir.rename(stacks_dir.with_name(f"{stacks_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}"))
+    if dist.is_initialized():
+        dist.barrier(group=control_group())
 
 
 def at_step(step: int) -> None:
