@@ -21,7 +21,7 @@ A forked rank is made to look and behave like torchrun's:
   SGLang servers a rank started), and its exit status is the program's own.
 
 The forkserver must not initialise CUDA, or no rank forked from it could use the GPU:
-``launch.rank_imports`` says what it imports and why that is safe, and the agent checks it.
+``launch.rank_imports`` says what it imports and why that is safe, and checks it when done.
 """
 from __future__ import annotations
 

@@ -184,10 +184,11 @@ def checkpoint_problems(checkpoint_dir: str | Path) -> list[str]:
         if index % _world_size() != _rank():
             continue
         path = checkpoint_dir / name
-        if not path.is_file():
+        found = path.stat().st_size if path.is_file() else None
+        if found is None:
             problems[name] = f"{name} is missing"
-        elif path.stat().st_size != size:
-            problems[name] = f"{name} has {path.stat().st_size} bytes, the manifest says {size}"
+        elif found != size:
+            problems[name] = f"{name} has {found} bytes, the manifest says {size}"
         elif _sha256(path) != digest:
             problems[name] = f"{name} does not match its SHA-256 in the manifest"
     return [problem for _, problem in sorted(_gathered(problems).items())]
@@ -553,13 +554,16 @@ class CheckpointManager:
     def _check_free_space(self, final_dir: Path, models: Mapping[str, CheckpointTarget]) -> None:
         """Stop before writing a checkpoint the file system cannot hold (collective): the size of
         the newest complete checkpoint, or for the first one its models' tensors."""
-        expected = _tensor_bytes(models)
-        error = None
+        previous_size = 0
         if _rank() == 0:
             previous = list_checkpoints(self.checkpoints_dir)
             if previous:
                 manifest = read_checkpoint_metadata(previous[-1][1]).get(MANIFEST_KEY) or {}
-                expected = sum(size for size, _ in manifest.values()) or expected
+                previous_size = sum(size for size, _ in manifest.values())
+        previous_size = _broadcast_from_rank0(previous_size)
+        expected = previous_size or _tensor_bytes(models)  # the tensors only when there is nothing to go by
+        error = None
+        if _rank() == 0:
             self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
             free, needed = shutil.disk_usage(self.checkpoints_dir).free, int(expected * FREE_SPACE_MARGIN)
             if free < needed:
@@ -595,8 +599,9 @@ class CheckpointManager:
                 choice = resolve_resume_checkpoint(self.checkpoints_dir, resume_mode, resume_from_path)
                 candidates = [] if choice is None else [str(choice)]
                 if choice is not None and resume_mode == "auto":  # then the older ones, newest first
+                    latest_step = read_checkpoint_metadata(choice)["step"]
                     candidates += [str(path) for step, path in reversed(list_checkpoints(self.checkpoints_dir))
-                                   if step < read_checkpoint_metadata(choice)["step"]]
+                                   if step < latest_step]
             except CheckpointError as err:
                 error = str(err)
         candidates, error = _broadcast_from_rank0((candidates, error))
