@@ -486,6 +486,17 @@ def test_the_seed_recipes_checkpoint_interval_is_save_freq(tmp_path):
     assert "trainer.profile" not in message
 
 
+def test_verls_actor_and_critic_checkpoint_counts_are_the_number_of_checkpoints_kept():
+    assert load_config(DEMO, ["trainer.max_actor_ckpt_to_keep=2"]).trainer.max_ckpt_to_keep == 2
+    assert load_config(DEMO, ["trainer.max_critic_ckpt_to_keep=3"]).trainer.max_ckpt_to_keep == 3
+    both = ["trainer.max_actor_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=2"]
+    assert load_config(DEMO, both).trainer.max_ckpt_to_keep == 2
+    # one override sets both spellings of one setting to different numbers: refused, saying why
+    message = error_of(DEMO, ["trainer={max_actor_ckpt_to_keep: 2, max_critic_ckpt_to_keep: 5}"])
+    assert "trainer.max_critic_ckpt_to_keep=5 and trainer.max_actor_ckpt_to_keep=2" in message, message
+    assert "holds the actor and the critic together" in message
+
+
 def test_sglang_missing_from_the_venv_says_how_to_install_it(monkeypatch):
     import importlib.util
 

@@ -57,6 +57,15 @@ REMOVED_KEYS = {
 # use either, not both with different values.
 ALIAS_KEYS = {
     "trainer.checkpoint.every_n_steps": "trainer.save_freq",
+    # verl prunes the actor's and the critic's checkpoints separately; here one checkpoint (one
+    # resume point) holds both, so both keys are the number of checkpoints kept.
+    "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
+    "trainer.max_critic_ckpt_to_keep": "trainer.max_ckpt_to_keep",
+}
+# Why two spellings must agree, where that is not obvious.
+ALIAS_NOTES = {
+    "trainer.max_ckpt_to_keep": " A checkpoint holds the actor and the critic together (one resume point), so both "
+                                "keep the same number of checkpoints.",
 }
 # verl's ``strategy`` keys pick a training backend; Megatron is Trident's only one.
 STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy",
@@ -193,6 +202,7 @@ def _normalize(tree: dict[str, Any], source: str) -> None:
                               f"(megatron-core's tensor, pipeline, data and expert parallelism); set it to "
                               f"{MEGATRON_STRATEGY!r} or remove it, and size the layout with "
                               f"{dotted.rpartition('.')[0]}.megatron.*.")
+    set_by: dict[str, str] = {}  # which spelling gave a key its value in this tree
     for alias, key in ALIAS_KEYS.items():
         value = _pop(tree, alias)
         if value is _ABSENT:
@@ -202,9 +212,10 @@ def _normalize(tree: dict[str, Any], source: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"{alias} ({source}) is {key}, which must be inside the {section!r} section.")
         if leaf in node and node[leaf] != value:
-            raise ConfigError(f"{alias}={value!r} and {key}={node[leaf]!r} ({source}) are the same setting; "
-                              f"keep one ({key}).")
+            raise ConfigError(f"{alias}={value!r} and {set_by.get(key, key)}={node[leaf]!r} ({source}) are the same "
+                              f"setting; keep one ({key}).{ALIAS_NOTES.get(key, '')}")
         node[leaf] = value
+        set_by[key] = alias
     for dotted in SINGLE_OR_LIST_KEYS:
         section, _, key = dotted.partition(".")
         node = tree.get(section)

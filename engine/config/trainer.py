@@ -44,7 +44,8 @@ class TrainerConfig:
         test_freq: validate every this many iterations; -1 = never during training.
         val_before_train: validate once before the first iteration.
         val_only: validate the model at ``model.path`` (or the resumed checkpoint) once and stop.
-        max_ckpt_to_keep: keep only the newest this-many checkpoints; null keeps all.
+        max_ckpt_to_keep: keep only the newest this-many checkpoints; null keeps all. verl's
+            max_actor_ckpt_to_keep / max_critic_ckpt_to_keep are read as it (one checkpoint holds both).
         resume_mode: "auto" resumes from the newest checkpoint in ``default_local_dir`` if any,
             "disable" always starts fresh, "resume_path" resumes from ``resume_from_path``.
         resume_from_path: the checkpoint directory for ``resume_mode=resume_path``.
