@@ -2,7 +2,7 @@
 
     python -m launch.ray_launcher yaml/X.yaml --num-gpus 16 [--gpus-per-node 8]
         [--placement-strategy STRICT_PACK|PACK] [--device gpu|cpu] [--rollout-gpus K | --rollout-nodes K]
-        [--dry-run] [key=value ...]
+        [--max-restarts N] [--dry-run] [key=value ...]
 
 Workers are placed with a placement group: STRICT_PACK (default) makes one group per node of
 ``--gpus-per-node`` bundles, so every node is filled completely and ranks are contiguous per
@@ -29,7 +29,10 @@ with ``actor_rollout_ref.rollout.mode=disaggregated`` and ``rollout.server_addre
 The servers stop with the job.
 
 The cluster is the one in RAY_ADDRESS (see launch/ray/start_cluster_in_slurm.sh), or a local one.
-If any rank fails, the others are terminated and the launcher exits with that rank's status.
+If any rank fails, the others are terminated and the launcher exits with that rank's status, or,
+with ``--max-restarts N``, starts every rank again on the same workers (at most N times), as
+torchrun's agent does: a fresh rendezvous port, ``TORCHELASTIC_RESTART_COUNT`` set to the attempt,
+and the program resumes from the newest complete checkpoint. Rollout nodes keep their servers.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ DEVICES = ("gpu", "cpu")
 PLACEMENT_TIMEOUT_S = 300
 ROLLOUT_START_TIMEOUT_S = 3600  # an outer bound: launch.rollout_servers applies rollout.startup_timeout_s itself
 TERMINATE_GRACE_S = 10
+TIMEOUT_STATUS = 124  # --timeout-s ran out (as timeout(1) exits)
 LOG_TAIL_LINES = 200
 
 
@@ -85,6 +89,7 @@ class RayLaunchConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     rollout_gpus: int = 0
     rollout_nodes: int = 0
+    max_restarts: int = 0
 
     def validate(self) -> None:
         if self.rollout_gpus < 0:
@@ -100,6 +105,8 @@ class RayLaunchConfig:
                                  f"--rollout-nodes {self.rollout_nodes} --rollout-gpus {self.rollout_gpus}")
         if self.num_workers < 1:
             raise RayLaunchError(f"--num-gpus must be >= 1, got {self.num_workers}")
+        if self.max_restarts < 0:
+            raise RayLaunchError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.workers_per_node < 1:
             raise RayLaunchError(f"--gpus-per-node must be >= 1, got {self.workers_per_node}")
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
@@ -274,6 +281,11 @@ class SpmdWorker:
         with open(address_file) as addresses:
             return addresses.read().split()
 
+    def rearm(self) -> None:
+        """After ``terminate``: let the next ``run`` start (a restarted job)."""
+        with self._lock:
+            self._terminated, self._process = False, None
+
     def terminate(self) -> None:
         """Stop the child's process group: SIGTERM, then SIGKILL after a grace period."""
         with self._lock:
@@ -392,19 +404,28 @@ def launch(config: RayLaunchConfig) -> int:
         if holders:
             held = ray.get([holder.placement.remote() for holder in holders])
             rollout = WorkerPlacement(held[0].node_ip, tuple(gpu for h in held for gpu in h.gpu_ids))
-        # The rendezvous port must be free on rank 0's node, so ask the worker that gets rank 0.
         provisional = rank_environments(placements, master_port=0)
         rank0 = next(index for index, env in enumerate(provisional) if env["RANK"] == "0")
-        port = ray.get(workers[rank0].free_port.remote())
-        environments = rank_environments(placements, port, rollout)
         if config.log_dir:
             Path(config.log_dir).mkdir(parents=True, exist_ok=True)
-        runs = {}
-        for worker, env in zip(workers, environments):
-            log_path = str(Path(config.log_dir) / f"rank-{env['RANK']}.log") if config.log_dir else None
-            env = {**config.extra_env, **env, **secret_env, "PYTHONPATH": pythonpath}
-            runs[worker.run.remote(config.command(server_addresses=server_addresses), env, os.getcwd(), log_path)] = env["RANK"]
-        return _wait_for_ranks(runs, workers, config.timeout_s)
+        deadline = None if config.timeout_s is None else time.monotonic() + config.timeout_s
+        attempt = 0
+        while True:
+            # The rendezvous port must be free on rank 0's node, so ask the worker that gets rank 0.
+            port = ray.get(workers[rank0].free_port.remote())
+            restart_env = {"TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts)}
+            runs = {}
+            for worker, env in zip(workers, rank_environments(placements, port, rollout)):
+                log_path = str(Path(config.log_dir) / f"rank-{env['RANK']}.log") if config.log_dir else None
+                env = {**config.extra_env, **env, **secret_env, **restart_env, "PYTHONPATH": pythonpath}
+                runs[worker.run.remote(config.command(server_addresses=server_addresses), env, os.getcwd(), log_path)] = env["RANK"]
+            status = _wait_for_ranks(runs, workers, None if deadline is None else deadline - time.monotonic())
+            if status in (0, TIMEOUT_STATUS) or attempt == config.max_restarts:
+                return status
+            print(f"[ray_launcher] restarting every rank (restart {attempt + 1} of {config.max_restarts}); the job "
+                  "resumes from its newest complete checkpoint", file=sys.stderr, flush=True)
+            ray.get([worker.rearm.remote() for worker in workers])
+            attempt += 1
     finally:
         if rollout_nodes:  # stop the servers gracefully (a lost node's actor just fails to answer)
             ray.wait([node.terminate.remote() for node in rollout_nodes], num_returns=len(rollout_nodes),
@@ -451,7 +472,7 @@ def _wait_for_ranks(runs: dict, workers: list, timeout_s: float | None) -> int:
         done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
         if not done:
             print(f"[ray_launcher] timed out after {timeout_s} s; stopping all ranks", file=sys.stderr)
-            status = 124
+            status = TIMEOUT_STATUS
             break
         returncode, tail = ray.get(done[0])
         if returncode != 0:
@@ -484,6 +505,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[RayLaunchConfig, bool]:
                         help="disaggregated rollout: GPUs of the trainer's node reserved for the SGLang servers")
     parser.add_argument("--rollout-nodes", type=int, default=0,
                         help="disaggregated rollout: nodes of their own (--gpus-per-node GPUs each) for the SGLang servers")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="when a rank fails, start every rank again (resuming from the newest checkpoint) up to N times")
     parser.add_argument("--dry-run", action="store_true", help="print the placement and the per-rank commands, run nothing")
     args = parser.parse_intermixed_args(argv)
     config = RayLaunchConfig(
@@ -499,6 +522,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[RayLaunchConfig, bool]:
         extra_env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
         rollout_gpus=args.rollout_gpus,
         rollout_nodes=args.rollout_nodes,
+        max_restarts=args.max_restarts,
     )
     return config, args.dry_run
 

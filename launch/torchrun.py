@@ -103,6 +103,12 @@ def run(argv: Sequence[str]) -> None:
             args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", os.urandom(16).hex()
     if args.master_port is None:
         args.master_port = 29500
+    # A restarted job (--max-restarts) must not meet the last attempt's keys: with the c10d
+    # rendezvous the agent otherwise shares one TCPStore server across rounds, and torch 2.14 no
+    # longer puts each attempt under a prefix of its own (torch/distributed/rendezvous.py,
+    # _create_c10d_store), so a restarted rank 0 read its peer's gloo address from the failed
+    # attempt and was refused. Off, every round's rank 0 hosts a fresh store on a fresh port.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     config, _python, command = config_from_args(args)
     config.start_method = "forkserver"
     multiprocessing.set_forkserver_preload([PRELOAD_MODULE])

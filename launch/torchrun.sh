@@ -15,6 +15,9 @@
 #                          servers, the ranks take the rest (default --nproc-per-node: the GPUs
 #                          nvidia-smi lists minus K); adds actor_rollout_ref.rollout.mode=disaggregated,
 #                          rollout.num_gpus=K and trainer.n_gpus_per_node to the overrides
+#   --max-restarts N       restart the job up to N times when a rank fails (default 0: stop at the
+#                          first failure); a restarted job resumes from the newest complete checkpoint
+#                          (trainer.resume_mode=auto). With several nodes every node gives the same N.
 #   --module M             the SPMD entry module (default launch.main)
 #   --dry-run              print the command, run nothing (also: TRIDENT_DRY_RUN=1 in the
 #                          environment, which reaches the copies srun starts)
@@ -32,9 +35,10 @@ rdzv_endpoint="127.0.0.1:29500"
 rdzv_id="trident"
 module="launch.main"
 rollout_gpus=0
+max_restarts=0
 dry_run="${TRIDENT_DRY_RUN:-0}"
 
-usage() { sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 die() { echo "launch/torchrun.sh: $*" >&2; exit 2; }
 
 while [[ $# -gt 0 ]]; do
@@ -44,6 +48,7 @@ while [[ $# -gt 0 ]]; do
     --nproc-per-node) nproc_per_node="${2:?--nproc-per-node needs a value}"; shift 2 ;;
     --rdzv-endpoint) rdzv_endpoint="${2:?--rdzv-endpoint needs a value}"; shift 2 ;;
     --rdzv-id) rdzv_id="${2:?--rdzv-id needs a value}"; shift 2 ;;
+    --max-restarts) max_restarts="${2:?--max-restarts needs a value}"; shift 2 ;;
     --module) module="${2:?--module needs a value}"; shift 2 ;;
     --rollout-gpus) rollout_gpus="${2:?--rollout-gpus needs a value}"; shift 2 ;;
     --dry-run) dry_run=1; shift ;;
@@ -58,6 +63,7 @@ done
 [[ "$nnodes" =~ ^[1-9][0-9]*$ ]] || die "--nnodes must be a positive integer, got '$nnodes'"
 [[ "$node_rank" =~ ^[0-9]+$ && "$node_rank" -lt "$nnodes" ]] || die "--node-rank must be in 0..$((nnodes - 1)), got '$node_rank'"
 [[ "$rdzv_endpoint" == *:* ]] || die "--rdzv-endpoint must be HOST:PORT, got '$rdzv_endpoint'"
+[[ "$max_restarts" =~ ^[0-9]+$ ]] || die "--max-restarts must be a non-negative integer, got '$max_restarts'"
 [[ "$rollout_gpus" =~ ^[0-9]+$ ]] || die "--rollout-gpus must be a non-negative integer, got '$rollout_gpus'"
 if [[ "$rollout_gpus" -gt 0 && "$nnodes" -ne 1 ]]; then
   die "--rollout-gpus places the servers on the trainer's node; with --nnodes $nnodes the servers would need nodes of their own, which is not built yet"
@@ -90,8 +96,8 @@ command=(
   --rdzv-backend=c10d
   --rdzv-endpoint="$rdzv_endpoint"
   --rdzv-id="$rdzv_id"
-  # Fail fast: a lost rank means a broken collective; Slurm requeue + auto-resume restarts the job.
-  --max-restarts=0
+  # A lost rank breaks every collective: torchrun's agents stop all ranks and start them again.
+  --max-restarts="$max_restarts"
   -m "$module" "${program[@]}"
 )
 

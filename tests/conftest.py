@@ -43,7 +43,7 @@ UNIT_SECONDS = {
     "rehearse:models/Qwen2.5-0.5B-Instruct": 66,
     "tests.test_lora": 64,
     "tests/test_disaggregated_rollout.py::test_servers_on_a_node_of_their_own_serve_only_the_jobs_key": 63,
-    "tests/test_ppo_end_to_end.py::test_resume_continues_exactly": 63,
+    "tests/test_ppo_end_to_end.py::test_a_rank_lost_mid_run_restarts_the_job_which_resumes_exactly": 75,
     "tests/test_ppo_end_to_end.py::test_moe_with_expert_parallelism_trains_like_ep1_and_resumes": 55,
     "tests/test_failure_cleanup.py::test_a_killed_rank_leaves_no_process_behind": 50,
     "tests.test_models_smollm2": 49,

@@ -13,7 +13,8 @@ import uuid
 import pytest
 
 from engine.config import ConfigError, load_config
-from engine.trainer.watchdog import HANG_EXIT_STATUS, STALL_ENV, timeout_minutes
+from engine.trainer.fault_injection import STALL_ENV
+from engine.trainer.watchdog import HANG_EXIT_STATUS, timeout_minutes
 from tests.distributed import REPO_ROOT, processes_with
 
 
@@ -68,9 +69,9 @@ def test_a_stalled_rank_is_named_with_every_ranks_stacks_and_the_job_ends(demo_m
     assert f"every rank's stacks: {run_dir / 'logs' / 'stacks'}" in hang, hang
     stacks = {rank: (run_dir / "logs" / "stacks" / f"rank_{rank:05d}.txt").read_text() for rank in (0, 1)}
     # Each rank wrote its own: rank 1 from inside the stall, rank 0 from a later phase of step 1.
-    assert stacks[1].startswith("rank 1: after 'reward' of step 1") and "_stall_if_asked" in stacks[1]
+    assert stacks[1].startswith("rank 1: after 'reward' of step 1") and "stall_if_asked" in stacks[1]
     assert stacks[0].startswith("rank 0: in '") and "of step 1" in stacks[0].splitlines()[0]
-    assert "_stall_if_asked" not in stacks[0] and "ppo_iteration" in stacks[0]
+    assert "stall_if_asked" not in stacks[0] and "ppo_iteration" in stacks[0]
     assert took < 180, took  # the timeout, not the 60-minute collective timeout, ended it
     deadline = time.monotonic() + 30
     while processes_with(marker) and time.monotonic() < deadline:

@@ -47,12 +47,15 @@ def test_torchrun_rejects_bad_arguments():
     result = subprocess.run(["launch/torchrun.sh", "--nnodes", "2", "--node-rank", "2", YAML], cwd=REPO,
                             capture_output=True, text=True)
     assert result.returncode == 2 and "--node-rank must be in 0..1" in result.stderr
+    result = subprocess.run(["launch/torchrun.sh", "--max-restarts", "-1", YAML], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 2 and "--max-restarts must be a non-negative integer, got '-1'" in result.stderr
 
 
 def test_slurm_dry_run_two_nodes():
     env = {"SLURM_JOB_ID": "777", "SLURM_JOB_NAME": "ppo70b", "SLURM_JOB_NODELIST": "gpu-a[07-08]",
            "SLURM_GPUS_ON_NODE": "8", "TRIDENT_RUN_ROOT": "/shared/runs"}
-    lines = run("bash", "launch/slurm/ppo.sbatch", "--dry-run", YAML, *OVERRIDES, env=env).splitlines()
+    lines = run("bash", "launch/slurm/ppo.sbatch", "--dry-run", "--max-restarts", "2", YAML, *OVERRIDES,
+                env=env).splitlines()
     run_dir = "/shared/runs/ppo70b-777"
     assert lines[0] == f"# run_dir {run_dir}"
     srun = shlex.split(next(line for line in lines if line.startswith("srun ")))
@@ -71,6 +74,7 @@ def test_slurm_dry_run_two_nodes():
         assert options["--rdzv-endpoint"] == "gpu-a07:29500"  # first node of the allocation
         assert options["--node-rank"] == str(node_rank) and options["--nnodes"] == "2"
         assert options["--nproc-per-node"] == "8" and options["--rdzv-id"] == "777"
+        assert options["--max-restarts"] == "2"  # every node's agent restarts the same number of times
         assert module == "launch.main" and program == expected_program
 
 

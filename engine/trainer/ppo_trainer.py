@@ -8,6 +8,7 @@ advantages -> critic update -> actor update -> weight sync into the rollout engi
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import replace
 
@@ -33,6 +34,7 @@ from engine.trainer import watchdog
 from engine.trainer.checkpoint import export_hf_model
 from engine.trainer.components import PPOComponents, build_components
 from engine.trainer.console import say
+from engine.trainer.fault_injection import RESTART_COUNT_ENV, kill_if_asked
 from engine.trainer.flops import DecoderShape, model_flops_utilization, peak_flops_per_device, training_flops
 from engine.trainer.profiling import StepProfiler
 from engine.trainer.rollout import generate
@@ -68,6 +70,7 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
             prompts, upcoming, sampler_state = next(batches)
             step += 1
             watchdog.at_step(step)
+            kill_if_asked(rank, step)  # a failure test's lost rank (never set in production)
             last = step == parts.total_training_steps
             with profiler.step(step):
                 metrics = ppo_iteration(cfg, parts, prompts, step, upcoming=None if last else upcoming)
@@ -349,6 +352,11 @@ def _trained_roles(parts: PPOComponents) -> dict:
 def resume_from_checkpoint(cfg: ExperimentConfig, parts: PPOComponents) -> int:
     """Load the checkpoint ``trainer.resume_mode`` picks into ``parts``; the step it ends, or 0."""
     path = parts.checkpoints.resolve_resume(cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
+    restarts = int(os.environ.get(RESTART_COUNT_ENV, "0"))  # torchrun's (and the Ray launcher's) --max-restarts
+    if restarts:
+        say(f"[trident] restart {restarts} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} after a rank failed: "
+            + (f"resuming from {path}" if path else f"no checkpoint to resume (trainer.resume_mode="
+                                                    f"{cfg.trainer.resume_mode}): starting at step 1"))
     if path is None:
         return 0
     extra = parts.checkpoints.load(path, parts.checkpoint_targets())

@@ -19,7 +19,8 @@ reports entries and exits) or, between phases, the last one it left. A thread ch
 
 A run resumed in the same run directory moves an earlier hang's ``stacks/`` to ``stacks-<time>``
 before its watchdogs start. Stands apart from the trainer's math: a thread, a clock and files; the test hook
-``TRIDENT_TEST_STALL=<rank>:<phase>`` makes that rank stop for good before entering that phase.
+``TRIDENT_TEST_STALL=<rank>:<phase>`` (``engine.trainer.fault_injection``) makes that rank stop for good before
+entering that phase.
 """
 from __future__ import annotations
 
@@ -36,12 +37,12 @@ from pathlib import Path
 import torch.distributed as dist
 
 from engine.trainer.console import say_error
+from engine.trainer.fault_injection import stall_if_asked
 from parallel.state import control_group
 
 logger = logging.getLogger(__name__)
 
 HANG_EXIT_STATUS = 3
-STALL_ENV = "TRIDENT_TEST_STALL"
 REQUEST_FILE = "REQUESTED"
 REPORTED_FILE = "REPORTED"
 POLL_S = 1.0
@@ -77,18 +78,11 @@ class HangWatchdog:
         self.activity = Activity(self.activity.phase, step, self.activity.inside, self.activity.since)
 
     def entered(self, phase: str) -> None:
-        self._stall_if_asked(phase)
+        stall_if_asked(self.rank, phase)
         self.activity = Activity(phase, self.activity.step, True, time.monotonic())
 
     def left(self, phase: str) -> None:
         self.activity = Activity(phase, self.activity.step, False, time.monotonic())
-
-    def _stall_if_asked(self, phase: str) -> None:
-        rank, _, stalled_phase = os.environ.get(STALL_ENV, "").partition(":")
-        if rank == str(self.rank) and stalled_phase == phase:
-            logger.warning("%s=%s: rank %d stops before '%s'", STALL_ENV, os.environ[STALL_ENV], self.rank, phase)
-            while True:
-                time.sleep(60)
 
     # ---- the thread -------------------------------------------------------------------------
     def start(self) -> None:
