@@ -1,10 +1,12 @@
 """SGLang-only behaviour on a real CPU server: distributed (gloo) weight updates, a rejected update
-that must not hang, and supervision (start-up failure, crash mid-request, no leftover processes).
+that must not hang, and supervision (start-up failure, a crash mid-request and the restart, no
+leftover processes).
 
-ONE server for the module; the crash test kills it, so it is the last test here.
+ONE server for the module; the crash test kills it (twice), so it is the last test here.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from engine.rollout import SamplingParams, WeightUpdateError
+from engine.rollout.base import RolloutServerDied
 from engine.config import RolloutConfig
 from engine.rollout.sglang_server import SGLangServer, SGLangServerConfig, SGLangServerCrashed, live_processes_in_group
 from tests.rollout_support import PROMPTS, SGLANG_MARKS, build_tiny_model, start_cpu_sglang, random_llama, reference_log_probs, teacher_forced_logits
@@ -108,7 +111,7 @@ def test_a_server_whose_port_was_taken_starts_on_another(engine, tiny, tmp_path)
     assert engine.servers[0].is_healthy()  # the first server was left alone
 
 
-def test_killing_the_server_mid_request_names_its_log_and_leaves_no_process(engine):
+def _kill_during_a_long_generation(engine) -> Exception | None:
     server = engine.servers[0]
     outcome = {}
 
@@ -123,11 +126,30 @@ def test_killing_the_server_mid_request_names_its_log_and_leaves_no_process(engi
     time.sleep(1.0)
     os.killpg(server.process.pid, signal.SIGKILL)
     worker.join(timeout=60)
-    error = outcome.get("error")
-    assert isinstance(error, SGLangServerCrashed), error
-    assert str(server.log_path) in str(error) and "last lines" in str(error)
+    return outcome.get("error")
+
+
+def test_a_server_killed_mid_request_restarts_and_serves_the_weights_pushed_after(engine, tiny):
+    """rollout.max_server_restarts (3 by default): the lost prompts are reported, the server starts
+    again on its port, and once the current weights are pushed it serves them. With no restart left
+    the crash stops the caller, naming the log, and no process is left."""
+    server = engine.servers[0]
+    first, port = server.process.pid, server.port
+    error = _kill_during_a_long_generation(engine)
+    assert isinstance(error, RolloutServerDied), error
+    assert len(error.completed) < len(PROMPTS) and f"prompts were lost with SGLang server(s) {server.url}" in str(error)
+    assert str(server.log_path) in str(engine.dead[0]) and "last lines" in str(engine.dead[0])
+    assert engine.restart_dead_servers() == 1 and engine.restarts == 1 and engine.dead == {}
+    assert live_processes_in_group(first) == [] and server.process.pid != first and server.port == port
+    newer = random_llama(seed=3, eos_token_id=tiny.model.config.eos_token_id)
+    engine.update_weights(newer.state_dict().items())
+    assert_serves(engine, newer)
+
+    engine.config.rollout = dataclasses.replace(engine.config.rollout, max_server_restarts=1)  # used up
+    error = _kill_during_a_long_generation(engine)
+    assert isinstance(error, SGLangServerCrashed) and not isinstance(error, RolloutServerDied), error
+    assert str(server.log_path) in str(error) and "max_server_restarts=1" in str(error)
     with pytest.raises(SGLangServerCrashed, match=str(server.log_path)):
         engine.health()
     engine.shutdown()
     assert live_processes_in_group(server.process.pid) == []
-

@@ -194,6 +194,11 @@ class RolloutConfig(SamplingConfig):
             with CUDA-graph capture takes minutes).
         request_timeout_s: the longest one generation request may take.
         weight_update_timeout_s: the longest one weight-update request (or broadcast) may take.
+        max_server_restarts: SGLang servers the job started that die are restarted on the same GPUs,
+            get the current weights, and the prompts they had not answered are sent again, up to
+            this many times per engine (each rank's servers, or rank 0's servers of their own) in a
+            run; 0 stops the run at the first death. Servers of ``server_addresses`` are not the
+            job's to restart: their death stops the run.
         val_kwargs: sampling of the validation responses.
     """
 
@@ -215,6 +220,7 @@ class RolloutConfig(SamplingConfig):
     startup_timeout_s: float = 1800.0
     request_timeout_s: float = 3600.0
     weight_update_timeout_s: float = 600.0
+    max_server_restarts: int = 3
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
 
 

@@ -224,6 +224,8 @@ def _check_ranges(config: ExperimentConfig) -> None:
              rollout.gpu_memory_utilization, "in (0, 1]")
     for name in ("startup_timeout_s", "request_timeout_s", "weight_update_timeout_s"):
         _require(getattr(rollout, name) > 0, f"{ROLLOUT}.{name}", getattr(rollout, name), "> 0 seconds")
+    _require(rollout.max_server_restarts >= 0, f"{ROLLOUT}.max_server_restarts", rollout.max_server_restarts,
+             ">= 0 (0 stops the run at the first server death)")
     _require(rollout.check_weight_sync_tolerance > 0, f"{ROLLOUT}.check_weight_sync_tolerance",
              rollout.check_weight_sync_tolerance, "> 0")
     _require(not (arr.actor.use_rollout_log_probs and rollout.check_weight_sync and rollout.name != "torch"),

@@ -46,6 +46,16 @@ class WeightUpdateError(RolloutError):
     """A weight update was rejected, timed out, or named a tensor the model does not have."""
 
 
+class RolloutServerDied(RolloutError):
+    """A server the engine may restart (``rollout.max_server_restarts``) died during ``generate``:
+    ``completed`` holds the samples of the prompts answered before, by prompt index; the others are
+    to be sent again once ``restart_dead_servers`` has run and the current weights are pushed."""
+
+    def __init__(self, message: str, completed: dict[int, list[RolloutSample]]) -> None:
+        super().__init__(message)
+        self.completed = completed
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings shared by every prompt of one ``generate`` call.
@@ -229,6 +239,17 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def health(self) -> bool:
         """True when the engine can serve; raises ``RolloutError`` if it has crashed."""
+
+    def restart_dead_servers(self) -> int:
+        """Start again, on the same devices, the servers that died (``RolloutServerDied``; a death
+        during a weight update or a memory call is only recorded, so that the collective sync around
+        it goes on); returns how many. They serve their start-up weights: push the current ones
+        before generating. Engines with no servers of their own have none to restart."""
+        return 0
+
+    def servers_restarted(self) -> None:
+        """A server of the job was restarted, by this engine or another rank's (collective, before the
+        weight push that follows): forget whatever connection held the dead one."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:

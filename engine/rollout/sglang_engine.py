@@ -39,6 +39,7 @@ from engine.rollout.base import (
     RolloutEngine,
     RolloutError,
     RolloutSample,
+    RolloutServerDied,
     SamplingParams,
     WeightUpdateError,
     check_memory_tags,
@@ -198,6 +199,8 @@ class SGLangRolloutEngine(RolloutEngine):
         addresses = [address.rsplit(":", 1) for address in running] or [(config.host, None)] * len(config.replica_gpus)
         # The owner of the servers' weight-update sessions (not of their processes, for external ones).
         self.owns_servers = not config.attach_to
+        # Whether this engine started its servers' processes (and so may restart them).
+        self.owns_processes = not running
         self.servers = [
             (functools.partial(SGLangServer.attach, external=bool(config.external_servers)) if running else SGLangServer)(
                 SGLangServerConfig(
@@ -225,6 +228,11 @@ class SGLangRolloutEngine(RolloutEngine):
         self._weight_update_group_name = ""
         self._in_weight_update = False
         self._session_transport: WeightTransport | None = None
+        # Servers that died and will be restarted (rollout.max_server_restarts), by index, with the
+        # error that showed it; a weight-update session that lost a server pushes nothing more.
+        self.dead: dict[int, SGLangServerCrashed] = {}
+        self.restarts = 0
+        self._session_lost_a_server = False
         self._closed = False
         try:
             for server in self.servers:
@@ -237,14 +245,41 @@ class SGLangRolloutEngine(RolloutEngine):
 
     # ----------------------------------------------------------------------------- helpers
 
-    def _on_all_servers(self, path: str, payload: dict[str, Any] | None = None, timeout: float | None = None) -> list[Any]:
-        futures = [self._control_pool.submit(server.post, path, payload, timeout) for server in self.servers]
-        return [future.result() for future in futures]
+    def _live_servers(self) -> list[tuple[int, SGLangServer]]:
+        return [(index, server) for index, server in enumerate(self.servers) if index not in self.dead]
 
-    def _check_success(self, path: str, answers: list[Any]) -> None:
-        for server, answer in zip(self.servers, answers):
+    def _on_all_servers(self, path: str, payload: dict[str, Any] | None = None,
+                        timeout: float | None = None) -> dict[int, Any]:
+        """``path`` on every live server; their answers by server index (a server found dead is
+        recorded for a restart, or its crash raised)."""
+        futures = {index: self._control_pool.submit(server.post, path, payload, timeout)
+                   for index, server in self._live_servers()}
+        answers = {}
+        for index, future in futures.items():
+            try:
+                answers[index] = future.result()
+            except SGLangServerCrashed as error:
+                self._server_died(index, error)
+        return answers
+
+    def _server_died(self, index: int, error: SGLangServerCrashed) -> None:
+        """Record a dead server for ``restart_dead_servers``, or raise its crash when it may not be
+        restarted: another process owns it, the transport is a broadcast group, or the run has used
+        up ``rollout.max_server_restarts``."""
+        limit = self.config.rollout.max_server_restarts
+        if not self.owns_processes or self.restarts + len(self.dead) >= limit:
+            if self.owns_processes and limit:
+                raise SGLangServerCrashed(f"{error} (restarted {self.restarts} time(s) already: "
+                                          f"actor_rollout_ref.rollout.max_server_restarts={limit})") from error
+            raise error
+        logger.warning("SGLang server %s died; it will be restarted: %s", self.servers[index].url, error)
+        self.dead[index] = error
+        self._session_lost_a_server = self._in_weight_update
+
+    def _check_success(self, path: str, answers: dict[int, Any]) -> None:
+        for index, answer in answers.items():
             if isinstance(answer, dict) and answer.get("success") is False:
-                raise WeightUpdateError(f"SGLang server {server.url} rejected {path}: {answer.get('message')}")
+                raise WeightUpdateError(f"SGLang server {self.servers[index].url} rejected {path}: {answer.get('message')}")
 
     def _weight_request_on_all_servers(self, path: str, payload: dict[str, Any]) -> None:
         """A weight-update request; a refusal (HTTP 400 or success=false) is a WeightUpdateError."""
@@ -265,23 +300,35 @@ class SGLangRolloutEngine(RolloutEngine):
         if self._in_weight_update:
             raise RolloutError("generate() called inside a weight-update session; call end_weight_update() first")
         sampling = _sglang_sampling_params(sampling_params)
+        live = [index for index, _ in self._live_servers()]
+        if not live:
+            raise RolloutServerDied("every SGLang server of this engine is down", completed={})
+        targets = [live[i % len(live)] for i in range(len(prompts))]
         futures = [
             self._pool.submit(
-                self.servers[i % len(self.servers)].post,
+                self.servers[target].post,
                 "/generate",
                 {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True},
                 self.config.rollout.request_timeout_s,
             )
-            for i, prompt in enumerate(prompts)
+            for target, prompt in zip(targets, prompts)
         ]
-        results = []
-        for future in futures:
-            answer = future.result()
+        results: dict[int, list[RolloutSample]] = {}
+        for i, (target, future) in enumerate(zip(targets, futures)):
+            try:
+                answer = future.result()
+            except SGLangServerCrashed as error:
+                if target not in self.dead:
+                    self._server_died(target, error)
+                continue
             items = answer if isinstance(answer, list) else [answer]
             if len(items) != sampling_params.n:
                 raise RolloutError(f"SGLang returned {len(items)} samples for a prompt, expected n={sampling_params.n}")
-            results.append([_parse_sample(item) for item in items])
-        return results
+            results[i] = [_parse_sample(item) for item in items]
+        if len(results) < len(prompts):
+            raise RolloutServerDied(f"{len(prompts) - len(results)} of {len(prompts)} prompts were lost with SGLang "
+                                    f"server(s) {', '.join(self.servers[i].url for i in self.dead)}", completed=results)
+        return [results[i] for i in range(len(prompts))]
 
     # ----------------------------------------------------------------------------- weights
 
@@ -297,18 +344,18 @@ class SGLangRolloutEngine(RolloutEngine):
     def begin_weight_update(self) -> None:
         if self._in_weight_update:
             raise WeightUpdateError("a weight-update session is already open; call end_weight_update() first")
-        if self.weight_transport == "distributed" and self._weight_update_group is None:
+        self._in_weight_update, self._session_lost_a_server = True, bool(self.dead)
+        self._session_transport = self.weight_transport
+        if self.weight_transport == "distributed" and self._weight_update_group is None and not self.dead:
             self._init_weight_update_group()
         if self.owns_servers:
             self._weight_request_on_all_servers("/begin_weight_update", {})
-        self._in_weight_update = True
-        self._session_transport = self.weight_transport
 
     def push_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         if not self._in_weight_update:
             raise WeightUpdateError("push_weights() outside a session; call begin_weight_update() first")
         named_tensors = list(named_tensors)
-        if not named_tensors:
+        if not named_tensors or self._session_lost_a_server:  # the sync after the restart pushes everything
             return
         self._validate_bucket([(name, tensor.shape) for name, tensor in named_tensors])
         if self._session_transport == "tensor":
@@ -333,7 +380,8 @@ class SGLangRolloutEngine(RolloutEngine):
             raise WeightUpdateError(f"{len(payloads)} payloads for a server of "
                                     f"tensor_model_parallel_size={self.config.rollout.tensor_model_parallel_size}")
         self._validate_bucket(named_shapes)
-        self._post_payloads(list(payloads))
+        if not self._session_lost_a_server:
+            self._post_payloads(list(payloads))
 
     def _post_payloads(self, payloads: list[str]) -> None:
         request = {"serialized_named_tensors": payloads, "load_format": "flattened_bucket", "flush_cache": False}
@@ -382,7 +430,15 @@ class SGLangRolloutEngine(RolloutEngine):
         # thread, so a rendezvous left waiting then cannot hold the process at exit.
         joiner = threading.Thread(target=join_group, name="weight-update-group", daemon=True)
         joiner.start()
-        self._check_success("/init_weights_update_group", [future.result() for future in futures])
+        answers = {}
+        for index, future in enumerate(futures):
+            try:
+                answers[index] = future.result()
+            except SGLangServerCrashed as error:
+                self._server_died(index, error)
+        if self.dead:
+            return  # no group without it: the session pushes nothing, the restart's sync forms a new one
+        self._check_success("/init_weights_update_group", answers)
         joiner.join(timeout_s)
         if joiner.is_alive():
             raise WeightUpdateError(f"the weight-update group at {address}:{port} did not form within {timeout_s:.0f}s "
@@ -405,15 +461,19 @@ class SGLangRolloutEngine(RolloutEngine):
             "flush_cache": False,
         }
         timeout = self.config.rollout.weight_update_timeout_s
-        answers = [self._control_pool.submit(server.post, "/update_weights_from_distributed", request, timeout) for server in self.servers]
+        answers = {index: self._control_pool.submit(server.post, "/update_weights_from_distributed", request, timeout)
+                   for index, server in self._live_servers()}
         work = torch.distributed.broadcast(bucket.get_flattened_tensor(), src=0, group=self._weight_update_group, async_op=True)
         deadline = time.monotonic() + timeout
         while not work.is_completed():
-            # A server that refused the request will never join this broadcast.
-            for answer in answers:
+            # A server that refused the request (or died) will never join this broadcast.
+            for index, answer in answers.items():
                 if answer.done() and (answer.exception() is not None or answer.result().get("success") is False):
                     self._abandon_weight_update_group()
                     error = answer.exception()
+                    if isinstance(error, SGLangServerCrashed):
+                        self._server_died(index, error)  # the session pushes nothing more; the restart re-syncs
+                        return
                     message = error if error is not None else answer.result().get("message")
                     raise WeightUpdateError(f"distributed weight update rejected: {message}")
             if time.monotonic() > deadline:
@@ -422,12 +482,13 @@ class SGLangRolloutEngine(RolloutEngine):
                                         "(actor_rollout_ref.rollout.weight_update_timeout_s)")
             time.sleep(0.001)
         work.wait()
-        self._check_success("/update_weights_from_distributed", [answer.result(timeout=timeout) for answer in answers])
+        self._check_success("/update_weights_from_distributed",
+                            {index: answer.result(timeout=timeout) for index, answer in answers.items()})
 
     def _abandon_weight_update_group(self) -> None:
         # A broadcast left half-done poisons the group; the next distributed session builds a new one.
         self._weight_update_group = None
-        for server in self.servers:
+        for _, server in self._live_servers():
             try:
                 server.post("/destroy_weights_update_group", {"group_name": self._weight_update_group_name}, timeout=30)
             except RolloutError as error:
@@ -442,9 +503,11 @@ class SGLangRolloutEngine(RolloutEngine):
         self._weight_request_on_all_servers("/end_weight_update", {})
         # Drop radix-cache prefixes computed with the old weights. SGLang refuses while requests
         # are still running (pause mode "in_place"): those keep their old KV by design.
-        for server in self.servers:
+        for index, server in self._live_servers():
             try:
                 server.post("/flush_cache", {}, timeout=self.config.rollout.weight_update_timeout_s)
+            except SGLangServerCrashed as error:
+                self._server_died(index, error)
             except RolloutError as error:
                 logger.warning("cache not flushed after the weight update on %s: %s", server.url, error)
 
@@ -469,6 +532,25 @@ class SGLangRolloutEngine(RolloutEngine):
 
     def health(self) -> bool:
         return all(server.is_healthy() for server in self.servers)
+
+    def restart_dead_servers(self) -> int:
+        """Restart the dead servers (one at a time, each on its own GPUs and port); the caller pushes
+        the current weights next (``servers_restarted`` on every engine first)."""
+        restarted = sorted(self.dead)
+        for index in restarted:
+            server = self.servers[index]
+            logger.warning("restarting SGLang server %s (restart %d of actor_rollout_ref.rollout.max_server_restarts=%d)",
+                           server.url, self.restarts + 1, self.config.rollout.max_server_restarts)
+            server.restart()
+            del self.dead[index]
+            self.restarts += 1
+        return len(restarted)
+
+    def servers_restarted(self) -> None:
+        # A broadcast group that held a restarted server is gone; the next session forms a new one
+        # (on the owner and on the pipeline stages' senders that attach to its servers alike).
+        if self._weight_update_group is not None:
+            self._abandon_weight_update_group()
 
     def shutdown(self) -> None:
         if self._closed:

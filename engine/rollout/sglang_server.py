@@ -214,6 +214,13 @@ class SGLangServer:
         watch_process_group(self.process.pid)
         _LIVE_SERVERS.add(self)
 
+    def restart(self) -> None:
+        """Start a server that died again, on the same GPUs and (while it is free) the same port, so
+        that engines attached to it by address find it there; returns once it answers."""
+        self.stop()
+        self.start()
+        self.wait_until_ready()
+
     def wait_until_ready(self) -> None:
         """Poll ``/health`` until this server's own process answers 200; raise if the process dies or
         time runs out.

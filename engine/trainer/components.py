@@ -70,6 +70,8 @@ class PPOComponents:
     data_parallel_control_group: Any  # the data-parallel ranks on gloo (parallel.state.control_groups)
     # The batch the servers generate while the trainer trains (trainer.max_staleness=1).
     rollout_ahead: RolloutAhead = field(default_factory=RolloutAhead)
+    # Rollout servers restarted in this run, every rank's (rollout.max_server_restarts).
+    server_restarts: int = 0
 
     @contextlib.contextmanager
     def trained_models_resident(self):

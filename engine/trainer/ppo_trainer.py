@@ -37,7 +37,7 @@ from engine.trainer.console import say
 from engine.trainer.fault_injection import RESTART_COUNT_ENV, kill_if_asked
 from engine.trainer.flops import DecoderShape, model_flops_utilization, peak_flops_per_device, training_flops
 from engine.trainer.profiling import StepProfiler
-from engine.trainer.rollout import generate
+from engine.trainer.rollout import generate, restart_dead_servers
 from engine.trainer.run_dir import RunDirectory
 from engine.trainer.tracking import Tracker, phase, step_peak_memory
 
@@ -146,6 +146,7 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
         greedy = generate(parts, prompts, replace(sampling, temperature=0.0)) if algo.uses_greedy_baseline else None
         _release_engine_memory(parts, MEMORY_TAGS)
     metrics.update(_staleness_metrics(generated, step))
+    metrics["rollout/server_restarts"] = parts.server_restarts
     if cfg.actor_rollout_ref.actor.use_rollout_log_probs:  # pi_old = the sampler's own log-probs, no recompute
         batch.old_log_probs, rollout_log_probs = rollout_log_probs, None
     else:
@@ -209,6 +210,7 @@ def hand_over_weights(parts: PPOComponents):
     with parts.actor.offloader.resident("params"):
         report = parts.weight_sync.sync(parts.engine)
     _resume_engine_memory(parts, (KV_CACHE, CUDA_GRAPH))
+    restart_dead_servers(parts)  # a server found dead by these calls starts again (resident) and gets the weights
     return report
 
 

@@ -8,6 +8,13 @@ to the servers in the background and returns at once, the trainer trains on the 
 ``RolloutAhead.wait_idle`` waits for the servers to finish before the new weights are pushed (a
 server never mixes two weight versions within one batch).
 
+Servers that die (``rollout.max_server_restarts``): the prompts they had not answered come back
+as None; every rank then takes part in ``restart_dead_servers`` (the dead servers start again on
+their GPUs and the current weights are pushed, into every server, as after a step) and the lost
+prompts are sent again, until none is missing (slime retries a dead engine's requests on the
+others and restarts it at the next weight update; here a replica's prompts belong to its ranks'
+server, so it is restarted at once).
+
 Policy versions: the weights step ``k`` trains from are version ``k`` (the initial or resumed
 weights, then those pushed after step ``k - 1``). On-policy, step ``k`` trains on version ``k``'s
 samples; one step off-policy, on version ``k - 1``'s (``k >= 2``; step 1 and the step after a
@@ -25,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from engine.roles import RolloutBatch
-from engine.rollout.base import SamplingParams
+from engine.rollout.base import RolloutServerDied, SamplingParams
+from engine.trainer.console import say
 from parallel.hybrid_engine import gather_generation_results, split_for_generation
 from parallel.state import control_group
 
@@ -60,9 +68,47 @@ def generate(parts, prompts, params: SamplingParams, policy_version: int = 0) ->
 
 
 def _timed_generate(engine, prompts: list, params: SamplingParams) -> tuple[list, float]:
+    """(token ids, log-probs, routed experts) per prompt, None for one lost with a server that died;
+    and the seconds it took."""
     start = time.perf_counter()
-    responses = [(s[0].token_ids, s[0].log_probs, s[0].routed_experts) for s in engine.generate(prompts, params)]
+    try:
+        samples = engine.generate(prompts, params)
+    except RolloutServerDied as died:
+        samples = [died.completed.get(i) for i in range(len(prompts))]
+    responses = [None if s is None else (s[0].token_ids, s[0].log_probs, s[0].routed_experts) for s in samples]
     return responses, time.perf_counter() - start
+
+
+def restart_dead_servers(parts, lost: bool = False) -> bool:
+    """Collective: every rank's dead rollout servers start again and the current weights are pushed
+    into every server. ``lost``: this rank lost prompts with them. Returns whether any rank
+    restarted a server or lost prompts."""
+    restarted = parts.engine.restart_dead_servers() if parts.engine is not None else 0
+    counts = torch.tensor([restarted, int(lost)])
+    dist.all_reduce(counts, group=control_group())  # also: no rank pushes before every restart is done
+    if counts[0]:
+        parts.server_restarts += int(counts[0])
+        if parts.engine is not None:
+            parts.engine.servers_restarted()
+        with parts.actor.offloader.resident("params"):
+            parts.weight_sync.sync(parts.engine)
+        say(f"[trident] {int(counts[0])} rollout server(s) died and were restarted with the current weights "
+            f"({parts.server_restarts} restart(s) in this run; actor_rollout_ref.rollout.max_server_restarts)")
+    return bool(counts.any())
+
+
+def _generate_colocated(parts, prompts: list, params: SamplingParams) -> tuple[list, float]:
+    """This rank's replica generates its prompts; collective (a server that died is restarted by its
+    rank while the others wait, and every rank takes part in the weight push)."""
+    responses, seconds = _timed_generate(parts.engine, prompts, params) if parts.engine is not None else ([], 0.0)
+    while restart_dead_servers(parts, lost=None in responses):
+        lost = [i for i, response in enumerate(responses) if response is None]
+        if lost:
+            again, more = _timed_generate(parts.engine, [prompts[i] for i in lost], params)
+            for i, response in zip(lost, again):
+                responses[i] = response
+            seconds += more
+    return responses, seconds
 
 
 def _in_background(fn, *args) -> concurrent.futures.Future:
@@ -90,7 +136,7 @@ def _start(parts, prompts, params: SamplingParams, policy_version: int, backgrou
     responses = None
     if not sync.disaggregated:
         mine = split_for_generation(prompts.raw_prompt_ids, sync.layout, dist.get_rank())
-        local, seconds = _timed_generate(parts.engine, mine, params) if parts.engine is not None else ([], 0.0)
+        local, seconds = _generate_colocated(parts, mine, params)
         shard["responses"] = gather_generation_results(local, sync.groups)  # this DP rank's prompts, in order
         responses = (None, seconds)
     shards: list = [None] * dist.get_world_size(parts.data_parallel_control_group)
@@ -112,6 +158,15 @@ def _finish(parts, pending: _Pending) -> Rollout:
         box = [answer]
         dist.broadcast_object_list(box, src=0, group=control_group())  # the others waited for rank 0's servers
         merged["responses"], seconds = box[0]
+        while None in merged["responses"]:  # lost with a server that died: the same list on every rank
+            restart_dead_servers(parts)
+            lost = [i for i, response in enumerate(merged["responses"]) if response is None]
+            box = [_timed_generate(parts.engine, [merged["prompts"][i] for i in lost], pending.params)
+                   if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(box, src=0, group=control_group())
+            for i, response in zip(lost, box[0][0]):
+                merged["responses"][i] = response
+            seconds += box[0][1]
     else:
         seconds = answer[1]
     batch, log_probs = to_rollout_batch(merged["prompts"], merged["responses"], pending.params.max_new_tokens,
