@@ -19,7 +19,7 @@ import pytest
 from engine.rollout.sglang_server import SERVER_MODULE
 from engine.sync import expected_log_prob_gap
 from parallel.state import find_free_port
-from tests.distributed import REPO_ROOT, read_metrics, run_main_job
+from tests.distributed import REPO_ROOT, processes_with, read_metrics, run_main_job
 from tests.rollout_support import SGLANG_MARKS
 
 pytestmark = [pytest.mark.dist, *SGLANG_MARKS]
@@ -80,35 +80,50 @@ def server_pids(log_text: str) -> list[int]:
     return pids
 
 
-def test_a_server_killed_mid_run_stops_the_job_with_a_clear_error(demo_model, tmp_path):
+def test_a_server_of_its_own_killed_mid_run_restarts_then_stops_the_job_past_the_limit(demo_model, tmp_path):
+    """rollout.max_server_restarts=1: rank 0's server is killed once, restarts with the current
+    weights (steps go on, each passing the weight-sync check over the new broadcast group); killed
+    again, it stops the job with the server, its log and the limit named."""
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     job = subprocess.Popen(
         [sys.executable, "-m", "launch.torchrun", "--nproc_per_node=2", "--master_addr=127.0.0.1",
          f"--master_port={find_free_port()}", "-m", "launch.main", "yaml/demo_cpu.yaml", *DISAGGREGATED,
          f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=50",
+         "actor_rollout_ref.rollout.max_server_restarts=1",
          "actor_rollout_ref.rollout.request_timeout_s=60", "actor_rollout_ref.rollout.weight_update_timeout_s=60"],
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+
+    def wait_for(condition):
         deadline = time.monotonic() + 600
-        while not (run_dir / "metrics.jsonl").exists() or not read_metrics(run_dir):
+        while not condition():
             assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0][-4000:]
-            time.sleep(1)
-        log = next((run_dir / "rollout").glob("sglang_replica*.log"))
-        pids = server_pids(log.read_text())
-        assert pids, log.read_text()[:2000]
-        killed = time.monotonic()
+            time.sleep(0.2)
+
+    def kill_the_server():
+        pids = server_pids(log.read_text().rsplit("\n[trident] ", 1)[-1])  # its latest start
+        assert pids, log.read_text()[-2000:]
         for pid in pids:
             os.killpg(os.getpgid(pid), signal.SIGKILL)
+
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and read_metrics(run_dir))
+        log = next((run_dir / "rollout").glob("sglang_replica*.log"))
+        kill_the_server()
+        wait_for(lambda: any(row["rollout/server_restarts"] == 1 for row in read_metrics(run_dir)[-1:]))
+        wait_for(lambda: len([row for row in read_metrics(run_dir) if row["rollout/server_restarts"] == 1]) >= 2)
+        killed = time.monotonic()
+        kill_the_server()
         output = job.communicate(timeout=300)[0]
         elapsed = time.monotonic() - killed
     finally:
         if job.poll() is None:
             job.kill()
     assert job.returncode != 0
-    # The owner sees its server's process exit; the error names the server and its log.
+    # The owner sees its server's process exit; the error names the server, its log and the limit.
     assert "[trident] error (rank 0): SGLang server" in output and f"exited with code -9; log {log}" in output, \
         output[-6000:]
+    assert "max_server_restarts=1" in output
     assert elapsed < 60, elapsed  # within the request timeout (measured: ~3 s)
 
 
@@ -212,3 +227,44 @@ def test_servers_on_a_node_of_their_own_serve_only_the_jobs_key(demo_model, tmp_
         if servers.poll() is None:
             os.killpg(servers.pid, signal.SIGTERM)
             servers.wait(timeout=60)
+
+
+def test_a_colocated_server_killed_mid_run_is_restarted_and_the_run_finishes(demo_model, tmp_path):
+    """Rank 1's colocated SGLang server is SIGKILLed after step 2: it starts again, gets the current
+    weights (the weight-sync check of every later step compares its log-probs with the trainer's:
+    a server serving its start-up weights fails it), the prompts it lost are sent again, and the run
+    logs all its steps with rollout/server_restarts = 1. Nothing of the job is left running."""
+    import uuid
+
+    run_dir = tmp_path / "run"
+    marker = f"TRIDENT_TEST_JOB={uuid.uuid4().hex}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1", marker.split("=")[0]: marker.split("=")[1]}
+    job = subprocess.Popen(
+        [sys.executable, "-m", "launch.torchrun", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+         f"--master_port={find_free_port()}", "-m", "launch.main", "yaml/demo_cpu.yaml", *SGLANG,
+         f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=8"],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (run_dir / "metrics.jsonl").exists() or len(read_metrics(run_dir)) < 2:
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0][-4000:]
+            time.sleep(0.2)
+        log = run_dir / "rollout" / "sglang_replica1.log"
+        pids = server_pids(log.read_text())
+        assert pids, log.read_text()[:2000]
+        for pid in pids:
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        output = job.communicate(timeout=600)[0]
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, output[-6000:]
+    rows = read_metrics(run_dir)
+    assert [row["step"] for row in rows] == list(range(1, 9))
+    assert rows[-1]["rollout/server_restarts"] == 1 and rows[0]["rollout/server_restarts"] == 0
+    assert "[trident] 1 rollout server(s) died and were restarted with the current weights" in output
+    # the restarted server's second start is in its log, on the same port
+    starts = [line for line in log.read_text().splitlines() if line.startswith("[trident] ")]
+    assert len(starts) == 2 and starts[0].split("--port ")[1].split()[0] == starts[1].split("--port ")[1].split()[0]
+    assert "SGLang server" in (run_dir / "logs" / "rank_00001.log").read_text()
+    assert processes_with(marker) == {}

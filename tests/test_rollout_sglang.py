@@ -18,7 +18,8 @@ import torch
 from engine.rollout import SamplingParams, WeightUpdateError
 from engine.rollout.base import RolloutServerDied
 from engine.config import RolloutConfig
-from engine.rollout.sglang_server import SGLangServer, SGLangServerConfig, SGLangServerCrashed, live_processes_in_group
+from engine.rollout.sglang_server import (SGLangServer, SGLangServerConfig, SGLangServerCrashed, WaitReport,
+                                          live_processes_in_group)
 from tests.rollout_support import PROMPTS, SGLANG_MARKS, build_tiny_model, start_cpu_sglang, random_llama, reference_log_probs, teacher_forced_logits
 
 pytestmark = SGLANG_MARKS
@@ -74,6 +75,15 @@ def test_rejected_distributed_update_raises_instead_of_hanging(engine, tiny):
     assert_serves(engine, new_model)
     engine.weight_transport = "tensor"
     engine.update_weights(tiny.model.state_dict().items(), bucket_megabytes=1.0)
+
+
+def test_a_long_wait_on_servers_says_what_it_waits_for_and_for_how_long(capsys):
+    now = [0.0]
+    report = WaitReport(clock=lambda: now[0])
+    for now[0] in (5, 9.9, 10, 12, 29, 31, 59, 61, 119, 125, 185, 400, 410):
+        report.tick(lambda: "SGLang server X to start")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"[trident] waiting {s} s for SGLang server X to start" for s in (10, 31, 61, 125, 185, 400)]
 
 
 def test_server_that_fails_to_start_is_reported_with_its_log(tiny, tmp_path):

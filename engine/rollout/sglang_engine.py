@@ -47,7 +47,7 @@ from engine.rollout.base import (
     validate_prompts,
 )
 from engine.rollout.sglang_cpu import memory_occupation_control_supported
-from engine.rollout.sglang_server import SGLangServer, SGLangServerConfig, SGLangServerCrashed
+from engine.rollout.sglang_server import SGLangServer, SGLangServerConfig, SGLangServerCrashed, wait_reporting
 from parallel.state import find_free_port
 
 logger = logging.getLogger(__name__)
@@ -254,6 +254,8 @@ class SGLangRolloutEngine(RolloutEngine):
         recorded for a restart, or its crash raised)."""
         futures = {index: self._control_pool.submit(server.post, path, payload, timeout)
                    for index, server in self._live_servers()}
+        wait_reporting(futures.values(), lambda done: f"{path} on {len(futures) - done} of {len(futures)} SGLang "
+                                                      f"server(s) ({', '.join(s.url for s in self.servers)})")
         answers = {}
         for index, future in futures.items():
             try:
@@ -313,6 +315,8 @@ class SGLangRolloutEngine(RolloutEngine):
             )
             for target, prompt in zip(targets, prompts)
         ]
+        wait_reporting(futures, lambda done: f"{len(prompts) - done} of {len(prompts)} responses from SGLang "
+                                             f"server(s) {', '.join(self.servers[i].url for i in live)}")
         results: dict[int, list[RolloutSample]] = {}
         for i, (target, future) in enumerate(zip(targets, futures)):
             try:

@@ -8,6 +8,7 @@ Any request that fails because the process died raises ``SGLangServerCrashed`` n
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import dataclasses
 import os
 import signal
@@ -18,7 +19,7 @@ import time
 import weakref
 from collections import deque
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import psutil
 import requests
@@ -40,6 +41,9 @@ PORT_TAKEN = "address already in use"
 # An external server's address that refuses connections this long has no server behind it: the job
 # stops naming it instead of waiting out the start-up timeout (such servers are started ready).
 REFUSED_LIMIT_S = 60.0
+# A wait on servers says on rank 0's terminal what it waits for once it has lasted this long, again
+# at each later mark, then every (last mark) seconds: 10 s, 30 s, 60 s, 120 s, 180 s ...
+WAIT_REPORT_MARKS_S = (10.0, 30.0, 60.0)
 # The setting that bounds each request, named when it times out (control and weight requests use
 # the weight-update timeout).
 TIMEOUT_SETTINGS = {"/generate": "actor_rollout_ref.rollout.request_timeout_s"}
@@ -104,6 +108,36 @@ def visible_devices(gpu_ids: Sequence[int], parent_visible: str | None) -> str:
     if missing:
         raise RolloutError(f"GPUs {missing} are not among this process's CUDA_VISIBLE_DEVICES={parent_visible!r}")
     return ",".join(parent[gpu] for gpu in gpu_ids)
+
+
+class WaitReport:
+    """Says (rank 0's terminal, every rank's log) what a wait on servers is for and how long it has
+    lasted, at the ``WAIT_REPORT_MARKS_S``; call ``tick`` while waiting."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock, self._start, self._reported = clock, clock(), 0
+
+    def _mark(self, index: int) -> float:
+        last = len(WAIT_REPORT_MARKS_S) - 1
+        return WAIT_REPORT_MARKS_S[index] if index <= last else WAIT_REPORT_MARKS_S[last] * (index - last + 1)
+
+    def tick(self, what: Callable[[], str]) -> None:
+        elapsed = self._clock() - self._start
+        if elapsed >= self._mark(self._reported):
+            from engine.trainer.console import say
+
+            say(f"[trident] waiting {elapsed:.0f} s for {what()}")
+            while elapsed >= self._mark(self._reported):
+                self._reported += 1
+
+
+def wait_reporting(futures: Collection[concurrent.futures.Future], what: Callable[[int], str]) -> None:
+    """Until every future is done; ``what(number done)`` says what is awaited (``WaitReport``)."""
+    report, pending = WaitReport(), set(futures)
+    while pending:
+        _, pending = concurrent.futures.wait(pending, timeout=1.0)
+        if pending:
+            report.tick(lambda: what(len(futures) - len(pending)))
 
 
 _LIVE_SERVERS: "weakref.WeakSet[SGLangServer]" = weakref.WeakSet()
@@ -232,7 +266,10 @@ class SGLangServer:
         server that lost its port starts again on a fresh one (``PORT_ATTEMPTS`` in all)."""
         deadline = time.monotonic() + self.config.rollout.startup_timeout_s
         attempts, refused_since = 1, None
+        report = WaitReport()
         while time.monotonic() < deadline:
+            report.tick(lambda: f"SGLang server {self.url} to start (at most actor_rollout_ref.rollout.startup_timeout_s="
+                                f"{self.config.rollout.startup_timeout_s:.0f}; log {self.log_path})")
             self.raise_if_crashed(grace_s=0.0)
             if self._lost_its_port():
                 if self.config.port is not None or attempts == PORT_ATTEMPTS:
