@@ -60,6 +60,15 @@ without a GPU we run the real megatron-core code on CPU tensors by:
     ``engine.config`` stays torch-free) and is installed by ``parallel/__init__.py`` before megatron is
     imported; it checks for CUDA only when megatron is imported, and leaves the GPU path alone.
 
+11. dist-checkpointing's asynchronous saves (:func:`async_checkpoint_queue`): Megatron-LM 0.16.1
+    allows them only with the persistent worker (``--use-persistent-ckpt-worker``), a spawned process
+    that copies each rank's GPU tensors to the host while the trainer waits, then writes them. On
+    CPU that worker receives the trainer's own tensors through shared memory and its copy to the
+    host copies nothing: tensors changed after the save was scheduled were written changed
+    (measured), and the 2-rank checkpoint test job ran past its 300 s limit with it (not
+    investigated further). Without CUDA the temporal worker is used: a fork per save, whose
+    copy-on-write snapshot is the tensors as they were.
+
 ``activate()`` does nothing else when CUDA is available: the GPU path runs megatron-core untouched
 but for (4) where TE is missing (tests/test_cpu_compat.py proves both). Nothing else in Trident may
 special-case CPU for megatron's sake; put any further bridge here.
@@ -367,6 +376,14 @@ def _checkpoint_results_queue_by_fork() -> None:
         return queues[0]
 
     _patch(filesystem_async, "_get_write_results_queue", results_queue)
+
+
+def async_checkpoint_queue():
+    """dist-checkpointing's queue of asynchronous saves: the persistent worker on GPUs, as Megatron-LM
+    requires, the temporal (forked) one where the CPU adaptation is active (11)."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    return AsyncCallsQueue(persistent=not is_active())
 
 
 def activate() -> bool:

@@ -18,6 +18,7 @@ import datetime
 import os
 import random
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -155,8 +156,9 @@ def initialize_model_parallel(
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python, torch (CPU and CUDA) identically on every rank; megatron offsets per TP rank."""
+    """Seed Python, numpy, torch (CPU and CUDA) identically on every rank; megatron offsets per TP rank."""
     random.seed(seed)
+    np.random.seed(seed)  # reward functions and user code draw from it too (megatron seeds it as well)
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)

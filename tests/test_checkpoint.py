@@ -50,6 +50,18 @@ def test_resume_continues_exactly_like_uninterrupted_training(runs):
 
 
 @pytest.mark.dist
+def test_an_async_save_writes_the_tensors_as_they_were_when_it_began(runs):
+    """trainer.checkpoint.async_save: every weight was overwritten right after save() returned (the
+    writer still at work); the shards are byte for byte the synchronous save's of the same state,
+    and the checkpoint was not complete (no ``latest``) until the writers were done."""
+    reference = runs["reference"]
+    assert reference["async_latest_before_close"] is None and reference["async_path"].endswith("step_2")
+    sync, written = reference["sync_manifest"], reference["async_manifest"]
+    shards = [name for name in sync if name.endswith(".distcp")]
+    assert len(shards) >= 4 and {name: written.get(name) for name in shards} == {name: sync[name] for name in shards}
+
+
+@pytest.mark.dist
 def test_resume_restores_extra_state_and_rng(runs):
     resumed = runs["resume"]
     assert resumed["extra"] == {"global_step": 2, "kl_controller": {"type": "fixed", "value": 0.1},

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 # Keys only the SGLang engine reads (checked by the test that starts one, with the SGLang tier).
 SGLANG_ONLY = tuple(f"actor_rollout_ref.rollout.{key}" for key in (
     "gpu_memory_utilization", "startup_timeout_s", "request_timeout_s", "weight_update_timeout_s",
-    "check_weight_sync_tolerance", "num_gpus", "server_addresses"))
+    "check_weight_sync_tolerance", "num_gpus", "server_addresses", "max_server_restarts"))
 
 
 def judge_keys() -> set[str]:

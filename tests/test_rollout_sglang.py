@@ -6,7 +6,6 @@ ONE server for the module; the crash test kills it (twice), so it is the last te
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import threading
@@ -155,7 +154,7 @@ def test_a_server_killed_mid_request_restarts_and_serves_the_weights_pushed_afte
     engine.update_weights(newer.state_dict().items())
     assert_serves(engine, newer)
 
-    engine.config.rollout = dataclasses.replace(engine.config.rollout, max_server_restarts=1)  # used up
+    engine.max_restarts = 1  # actor_rollout_ref.rollout.max_server_restarts=1: used up
     error = _kill_during_a_long_generation(engine)
     assert isinstance(error, SGLangServerCrashed) and not isinstance(error, RolloutServerDied), error
     assert str(server.log_path) in str(error) and "max_server_restarts=1" in str(error)

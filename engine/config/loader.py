@@ -49,9 +49,6 @@ REMOVED_KEYS = {
                       "available, else the CPU",
     "critic.model.tokenizer_path": "the critic scores the actor's token ids and has no tokenizer of its own",
     "critic.model.trust_remote_code": "the critic is built by megatron from config.json and runs no checkpoint code",
-    "trainer.checkpoint": "checkpoints are set by trainer.save_freq (the interval; the seed recipe's "
-                          "trainer.checkpoint.every_n_steps is read as it), trainer.max_ckpt_to_keep, "
-                          "trainer.resume_mode and trainer.resume_from_path",
 }
 # Other spellings of a key, accepted as that key (the seed recipe's names): a file or override may
 # use either, not both with different values.

@@ -29,6 +29,21 @@ class ProfileConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """``trainer.checkpoint``: how checkpoints are written (when: ``trainer.save_freq``; the seed
+    recipe's ``trainer.checkpoint.every_n_steps`` is read as it).
+
+    Attributes:
+        async_save: megatron-core's asynchronous distributed-checkpoint save: training stops only
+            while each rank's tensors are copied aside; a background process writes them, and the
+            checkpoint becomes complete (manifest, rename, ``latest``) at the first step boundary
+            after every rank has finished. At most one save is in flight; the run's end waits for it.
+    """
+
+    async_save: bool = False
+
+
+@dataclass
 class TrainerConfig:
     """``trainer.*``.
 
@@ -58,6 +73,7 @@ class TrainerConfig:
             (``trident_metric{name="actor/pg_loss"}``) and the SGLang servers export their own;
             null = off.
         profile: see ``ProfileConfig``.
+        checkpoint: see ``CheckpointConfig``.
         export_hf_at_end: write the trained actor as a HuggingFace folder (``<run>/hf/actor``,
             with the tokenizer and chat template of ``model.path``) when the run finishes.
         seed: seed of the random streams of the loop: sampling in the embedded engine, the SGLang
@@ -98,3 +114,4 @@ class TrainerConfig:
     max_staleness: int = 0
     prometheus_port: int | None = None
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -199,8 +199,9 @@ class SGLangRolloutEngine(RolloutEngine):
         addresses = [address.rsplit(":", 1) for address in running] or [(config.host, None)] * len(config.replica_gpus)
         # The owner of the servers' weight-update sessions (not of their processes, for external ones).
         self.owns_servers = not config.attach_to
-        # Whether this engine started its servers' processes (and so may restart them).
+        # Whether this engine started its servers' processes, and so how many times it may restart them.
         self.owns_processes = not running
+        self.max_restarts = config.rollout.max_server_restarts if self.owns_processes else 0
         self.servers = [
             (functools.partial(SGLangServer.attach, external=bool(config.external_servers)) if running else SGLangServer)(
                 SGLangServerConfig(
@@ -266,11 +267,11 @@ class SGLangRolloutEngine(RolloutEngine):
 
     def _server_died(self, index: int, error: SGLangServerCrashed) -> None:
         """Record a dead server for ``restart_dead_servers``, or raise its crash when it may not be
-        restarted: another process owns it, the transport is a broadcast group, or the run has used
-        up ``rollout.max_server_restarts``."""
-        limit = self.config.rollout.max_server_restarts
-        if not self.owns_processes or self.restarts + len(self.dead) >= limit:
-            if self.owns_processes and limit:
+        restarted: another process owns it (a server this engine attached to, or one of
+        ``rollout.server_addresses``), or the run has used up ``rollout.max_server_restarts``."""
+        limit = self.max_restarts
+        if self.restarts + len(self.dead) >= limit:
+            if limit:
                 raise SGLangServerCrashed(f"{error} (restarted {self.restarts} time(s) already: "
                                           f"actor_rollout_ref.rollout.max_server_restarts={limit})") from error
             raise error
@@ -544,7 +545,7 @@ class SGLangRolloutEngine(RolloutEngine):
         for index in restarted:
             server = self.servers[index]
             logger.warning("restarting SGLang server %s (restart %d of actor_rollout_ref.rollout.max_server_restarts=%d)",
-                           server.url, self.restarts + 1, self.config.rollout.max_server_restarts)
+                           server.url, self.restarts + 1, self.max_restarts)
             server.restart()
             del self.dead[index]
             self.restarts += 1

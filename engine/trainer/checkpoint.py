@@ -15,7 +15,10 @@ Layout of ``checkpoints_dir`` (one run's ``checkpoints/``)::
 A save writes into ``step_N.tmp/``; after a barrier rank 0 renames it to ``step_N/`` and replaces
 ``latest`` with ``os.replace`` (both atomic on POSIX file systems), so a crash at any point leaves
 the previous checkpoint complete and pointed to. Only then are checkpoints beyond the newest
-``max_ckpt_to_keep`` deleted. Before writing, the free space of the file system is checked against
+``max_ckpt_to_keep`` deleted. With ``async_save`` (megatron-core's asynchronous distributed save)
+``save`` returns once every rank's tensors are set aside and a background process writes them;
+``finalize`` (collective, called at every step boundary) completes the checkpoint (manifest,
+rename, ``latest``, pruning) once every rank's writer is done; one save is in flight at most. Before writing, the free space of the file system is checked against
 the size the checkpoint will take (the previous one's, or the models' tensors for the first).
 
 A resume checks the chosen checkpoint against its manifest (the ranks hash the files between them).
@@ -44,6 +47,7 @@ import re
 import shutil
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -52,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from engine.trainer.console import say
+from parallel import cpu_compat
 from parallel.state import control_group
 
 logger = logging.getLogger(__name__)
@@ -489,29 +494,36 @@ class CheckpointManager:
         fully_parallel: spread dist_checkpointing writes and reads of replicated tensors over the
             data-parallel ranks (megatron's fully parallel strategies) instead of one writer per
             shard.
+        async_save: write the model files in the background (``trainer.checkpoint.async_save``);
+            the checkpoint is complete after ``finalize``.
     """
 
     def __init__(self, checkpoints_dir: str | Path, *, max_ckpt_to_keep: int | None = None,
-                 fully_parallel: bool = True) -> None:
+                 fully_parallel: bool = True, async_save: bool = False) -> None:
         if max_ckpt_to_keep is not None and max_ckpt_to_keep < 1:
             raise ValueError(f"trainer.max_ckpt_to_keep must be >= 1 or null, got {max_ckpt_to_keep}")
         self.checkpoints_dir = Path(checkpoints_dir)
         self.max_ckpt_to_keep = max_ckpt_to_keep
         self.fully_parallel = fully_parallel
+        self.async_save = async_save
+        self._async_queue = None  # dist-checkpointing's AsyncCallsQueue, made at the first async save
 
     # ---- save -------------------------------------------------------------------------------
     def save(self, step: int, models: Mapping[str, CheckpointTarget], extra_state: Mapping[str, Any] | None = None) -> Path:
         """Write checkpoint ``step_<step>`` of ``models`` plus ``extra_state`` (rank 0's plain dict:
         KL controller, sampler, counters; tensors, numbers, strings, lists, dicts). RNG states of
-        every rank are added automatically. Returns the final folder."""
+        every rank are added automatically. Returns the final folder, which holds the checkpoint
+        on return, or with ``async_save`` once ``finalize`` has found the writers done."""
         from megatron.core import dist_checkpointing
 
+        self.finalize(blocking=True)  # one save in flight at most
         if not models:
             raise ValueError("save() needs at least one model")
         for name in models:
             if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name == RNG_DIR:
                 raise ValueError(f"model name {name!r} must be a plain folder name (letters, digits, _ . -), not {RNG_DIR!r}")
         started = time.perf_counter()
+        rng_state = capture_rng_state()  # the step boundary's, before the writers (and what they draw) start
         final_dir = self.checkpoints_dir / step_dir_name(step)
         tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
         self._check_free_space(final_dir, models)
@@ -523,23 +535,53 @@ class CheckpointManager:
             (tmp_dir / RNG_DIR).mkdir()
         _barrier()
 
-        layouts = {}
+        layouts, requests = {}, []
         for name, target in models.items():
             state = _target_sharded_state_dict(target, is_loading=False, with_optimizer=True)
-            dist_checkpointing.save(state, str(tmp_dir / name), sharded_strategy=_save_strategy(self.fully_parallel))
+            requests.append(dist_checkpointing.save(state, str(tmp_dir / name), async_sharded_save=self.async_save,
+                                                    sharded_strategy=_save_strategy(self.fully_parallel)))
             layouts[name] = _layout_of_this_rank()
-        _write_rank_state(tmp_dir, extra_state)
+        _write_rank_state(tmp_dir, rng_state, extra_state)
+        metadata = {
+            "format_version": FORMAT_VERSION, "step": step, "models": sorted(models), "layouts": layouts,
+            "distributed_optimizer_format": DISTRIBUTED_OPTIMIZER_FORMAT,
+            "has_optimizer": {name: t.optimizer is not None for name, t in models.items()},
+        }
+        publish = partial(self._publish, tmp_dir, final_dir, metadata, started)
+        if not self.async_save:
+            publish()
+            return final_dir
+        # Each model's writer runs in the background; the last one's finalization (after the others',
+        # in queue order) makes the checkpoint complete.
+        requests[-1].add_finalize_fn(publish)
+        if self._async_queue is None:
+            self._async_queue = cpu_compat.async_checkpoint_queue()
+        for request in requests:
+            self._async_queue.schedule_async_request(request)
+        logger.info("checkpoint %s: tensors set aside in %.1f s, written in the background", final_dir,
+                    time.perf_counter() - started)
+        return final_dir
+
+    def finalize(self, blocking: bool = False) -> None:
+        """Complete the asynchronous save in flight once every rank's writer is done (``blocking``:
+        wait for them). Collective: call on every rank at the same points (each step boundary)."""
+        if self._async_queue is not None:
+            self._async_queue.maybe_finalize_async_calls(blocking=blocking)
+
+    def close(self) -> None:
+        """Complete any save in flight and stop the background writer (collective)."""
+        if self._async_queue is not None:
+            self._async_queue.close()
+            # Its persistent worker's __del__ would close it again, after the process groups are gone.
+            self._async_queue.persistent_caller = None
+            self._async_queue = None
+
+    def _publish(self, tmp_dir: Path, final_dir: Path, metadata: dict[str, Any], started: float) -> None:
+        """Every rank's files are written: the manifest, the rename, ``latest``, pruning (collective)."""
         _barrier()  # every rank's files are on disk
         manifest = _manifest(tmp_dir)
-
         if _rank() == 0:
-            metadata = {
-                "format_version": FORMAT_VERSION, "step": step, "models": sorted(models),
-                "layouts": layouts, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "distributed_optimizer_format": DISTRIBUTED_OPTIMIZER_FORMAT,
-                "has_optimizer": {name: t.optimizer is not None for name, t in models.items()},
-                MANIFEST_KEY: manifest,
-            }
+            metadata = {**metadata, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), MANIFEST_KEY: manifest}
             _write_text_atomically(tmp_dir / METADATA_FILE, json.dumps(metadata, indent=2))
             if final_dir.exists():  # re-saving a step (e.g. after resuming from an older one)
                 shutil.rmtree(final_dir)
@@ -548,8 +590,10 @@ class CheckpointManager:
             _write_text_atomically(self.checkpoints_dir / LATEST_FILE, final_dir.name + "\n")
             self._prune(keep=final_dir)
         _barrier()
-        logger.info("saved checkpoint %s in %.1f s", final_dir, time.perf_counter() - started)
-        return final_dir
+        seconds = time.perf_counter() - started
+        logger.info("saved checkpoint %s in %.1f s", final_dir, seconds)
+        say(f"[trident] checkpoint saved: {final_dir}"
+            + (f" (written in the background, {seconds:.1f} s after the save began)" if self.async_save else ""))
 
     def _check_free_space(self, final_dir: Path, models: Mapping[str, CheckpointTarget]) -> None:
         """Stop before writing a checkpoint the file system cannot hold (collective): the size of
@@ -686,8 +730,8 @@ def _tensor_bytes(models: Mapping[str, CheckpointTarget]) -> int:
     return total
 
 
-def _write_rank_state(tmp_dir: Path, extra_state: Mapping[str, Any] | None) -> None:
-    torch.save(capture_rng_state(), _rng_file(tmp_dir, _rank()))
+def _write_rank_state(tmp_dir: Path, rng_state: dict[str, Any], extra_state: Mapping[str, Any] | None) -> None:
+    torch.save(rng_state, _rng_file(tmp_dir, _rank()))
     if _rank() == 0:
         torch.save(dict(extra_state or {}), tmp_dir / EXTRA_STATE_FILE)
 

@@ -203,7 +203,8 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
         critic=critic, engine=engine, weight_sync=weight_sync, rewards=rewards, scores_rules=scores_rules,
         reward_model=reward_model, judge=judge, judge_server=judge_server,
         kl_controller=build_kl_controller(cfg.algorithm.kl_ctrl),
-        checkpoints=CheckpointManager(run.checkpoints_dir, max_ckpt_to_keep=cfg.trainer.max_ckpt_to_keep),
+        checkpoints=CheckpointManager(run.checkpoints_dir, max_ckpt_to_keep=cfg.trainer.max_ckpt_to_keep,
+                                      async_save=cfg.trainer.checkpoint.async_save),
         total_training_steps=total_steps,
         data_parallel_control_group=control_group_like(parallel_state.get_data_parallel_group()),
     )

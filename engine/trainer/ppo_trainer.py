@@ -71,6 +71,7 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
             step += 1
             watchdog.at_step(step)
             kill_if_asked(rank, step)  # a failure test's lost rank (never set in production)
+            parts.checkpoints.finalize()  # an asynchronous save whose writers are done becomes complete
             last = step == parts.total_training_steps
             with profiler.step(step):
                 metrics = ppo_iteration(cfg, parts, prompts, step, upcoming=None if last else upcoming)
@@ -80,6 +81,7 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
             # save_freq -1: only at the end of the run.
             if last or (trainer.save_freq > 0 and step % trainer.save_freq == 0):
                 save_checkpoint(parts, step, sampler_state)
+    parts.checkpoints.close()  # waits for an asynchronous save still being written
     tracker.close()
     if parts.engine is not None:
         parts.engine.shutdown()
@@ -342,9 +344,8 @@ def save_checkpoint(parts: PPOComponents, step: int, sampler_state: dict) -> Non
     extra = {"step": step, "sampler": sampler_state, "kl_controller": parts.kl_controller.state_dict(),
              # the roles seed each update's mini-batch shuffle with their call count
              "update_calls": {name: role.num_update_calls for name, role in _trained_roles(parts).items()}}
-    with parts.trained_models_resident():
-        path = parts.checkpoints.save(step, parts.checkpoint_targets(), extra_state=extra)
-    say(f"[trident] checkpoint saved: {path}")
+    with parts.trained_models_resident():  # an asynchronous save has set the tensors aside when this returns
+        parts.checkpoints.save(step, parts.checkpoint_targets(), extra_state=extra)
 
 
 def _trained_roles(parts: PPOComponents) -> dict:

@@ -155,6 +155,28 @@ class Run:
         return {"files": sorted(p.name for p in out_dir.iterdir()), "tensors": load_file(out_dir / "model.safetensors")}
 
 
+def save_asynchronously(run: Run, workdir: Path, step: int) -> dict:
+    """The same state saved with ``async_save``, every weight overwritten (and then put back) the
+    moment ``save`` returns, while the writer may still be at work: the files must hold the weights
+    as they were when it was scheduled. Complete only after ``close``."""
+    from engine.trainer.checkpoint import MANIFEST_KEY, CheckpointManager, latest_checkpoint, read_checkpoint_metadata
+
+    checkpoints = workdir / "dp2_async" / "checkpoints"
+    manager = CheckpointManager(checkpoints, async_save=True)
+    path = manager.save(step, run.targets, extra_state={"global_step": step})
+    params = [p for target in run.targets.values() for chunk in target.model_chunks for p in chunk.parameters()]
+    kept = [p.detach().clone() for p in params]
+    for param in params:
+        param.data.fill_(7.0)
+    latest_before = latest_checkpoint(checkpoints)
+    for param, value in zip(params, kept):
+        param.data.copy_(value)
+    manager.close()
+    sync = read_checkpoint_metadata(workdir / "dp2" / "checkpoints" / f"step_{step}")[MANIFEST_KEY]
+    return {"async_latest_before_close": latest_before, "async_path": str(path),
+            "async_manifest": read_checkpoint_metadata(path)[MANIFEST_KEY], "sync_manifest": sync}
+
+
 def phase_reference(workdir: Path) -> dict:
     from megatron.core import parallel_state
 
@@ -172,6 +194,7 @@ def phase_reference(workdir: Path) -> dict:
                                                         "sampler": {"epoch": 0, "index": 2}})
             # Drawn right after saving: the resumed run must draw the same number after loading.
             result["rand_after_save"] = torch.rand(3)
+            result.update(save_asynchronously(run, workdir, step))
     result["losses"] = losses
     result["weights"] = run.weights()
     result["adam_steps"] = run.adam_steps()
