@@ -47,7 +47,7 @@ UNIT_SECONDS = {
     "tests/test_ppo_end_to_end.py::test_moe_with_expert_parallelism_trains_like_ep1_and_resumes": 55,
     "tests/test_failure_cleanup.py::test_a_killed_rank_leaves_no_process_behind": 50,
     "tests/test_disaggregated_rollout.py::test_a_colocated_server_killed_mid_run_is_restarted_and_the_run_finishes": 63,
-    "tests/test_launch_ray.py::test_two_cpu_workers_run_the_same_program_and_a_failure_stops_the_job": 58,
+    "tests/test_launch_ray.py::test_two_cpu_workers_run_the_same_program_and_a_failure_stops_the_job": 52,
     "tests.test_models_smollm2": 49,
     "tests/test_launch_ray.py::test_rollout_servers_on_a_node_of_their_own": 49,
     "tests/test_checkpoint_integrity.py::test_a_truncated_shard_in_the_latest_checkpoint": 50,
