@@ -542,6 +542,10 @@ class SGLangRolloutEngine(RolloutEngine):
         """Restart the dead servers (one at a time, each on its own GPUs and port); the caller pushes
         the current weights next (``servers_restarted`` on every engine first)."""
         restarted = sorted(self.dead)
+        if restarted and torch.cuda.is_available():
+            # A starting server sizes its KV cache from the GPU memory free then (sglang_static_pool_bytes):
+            # the trainer's cached blocks go back first, as before every resume.
+            torch.cuda.empty_cache()
         for index in restarted:
             server = self.servers[index]
             logger.warning("restarting SGLang server %s (restart %d of actor_rollout_ref.rollout.max_server_restarts=%d)",
