@@ -17,7 +17,7 @@ in both modes, alternately, in the same processes (so the baseline is measured b
 - ``training_lost_s`` = ``stall_s`` + ``slowdown_s``: what the save cost the training loop.
 
 Each mode's numbers are the median over ``--repeats`` saves (after one warm-up save of each).
-Writes ``DIR/checkpoint.json`` and prints it.
+Writes ``DIR/checkpoint.json`` and prints it; the checkpoints themselves are deleted at the end.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -150,6 +151,7 @@ def worker(args) -> None:
         }
         Path(args.out, "checkpoint.json").write_text(json.dumps(report, indent=2))
         print(json.dumps(report, indent=2))
+        shutil.rmtree(Path(args.out) / "checkpoints")  # GBs of by-product; the numbers are the result
     destroy_model_parallel()
 
 
