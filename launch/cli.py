@@ -1,7 +1,7 @@
 """The ``trident`` command: check an experiment in this process, then run it under torchrun.
 
-    trident yaml/X.yaml [key=value ...] [--check] [--nproc-per-node N] [--nnodes N --node-rank R
-            --rdzv-endpoint HOST:PORT --rdzv-id ID]
+    trident yaml/X.yaml [key=value ...] [--check] [--nproc-per-node N] [--max-restarts N]
+            [--nnodes N --node-rank R --rdzv-endpoint HOST:PORT --rdzv-id ID]
 
 (``python -m launch.cli`` is the same.) Before any rank starts, it loads the config and checks every
 input it names (``engine.trainer.preflight``: model folders, tokenizer, reward function, every
@@ -39,7 +39,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--node-rank", type=int, default=0, help="this node's rank (with --rdzv-endpoint)")
     parser.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (several nodes)")
     parser.add_argument("--rdzv-id", default="trident", help="rendezvous id shared by the job's nodes")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="restart the job up to N times when a rank fails; it resumes from the newest checkpoint")
     args = parser.parse_intermixed_args(argv)
+    if args.max_restarts < 0:
+        print(f"[trident] error: --max-restarts must be >= 0, got {args.max_restarts}", file=sys.stderr)
+        return EXIT_USER_ERROR
 
     from engine.config import load_config
     from engine.trainer.preflight import check_inputs
@@ -71,7 +76,7 @@ def launch(args: argparse.Namespace, *, logs_dir: Path, nnodes: int, nproc: int)
     rendezvous = (["--standalone"] if nnodes == 1 and not args.rdzv_endpoint else
                   ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}", f"--rdzv-id={args.rdzv_id}",
                    f"--node-rank={args.node_rank}"])
-    torchrun_args = [f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", *rendezvous,
+    torchrun_args = [f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", f"--max-restarts={args.max_restarts}", *rendezvous,
                      "-m", "launch.main", args.yaml_path, *args.overrides]
     error_dir = tempfile.mkdtemp(prefix="trident-errors-")
     os.environ[ERROR_DIR_ENV] = error_dir

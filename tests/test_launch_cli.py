@@ -5,7 +5,9 @@ did not join an all_reduce within a 3 s process-group timeout.
 """
 from __future__ import annotations
 
+import argparse
 import signal
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
@@ -55,3 +57,17 @@ def test_failed_ranks_are_reported_once_each(tmp_path, capsys):
     assert lines[1] == f"[trident] rank 2 killed by signal 9; its log: {tmp_path}/logs/rank_00002.log"
     assert lines[2].startswith("[trident] rank 3 killed by signal 6 (SIGABRT: a CUDA error, or a collective")
     assert len(lines) == 3 and status == 2
+
+
+def test_max_restarts_reaches_torchrun_and_a_negative_one_is_refused(monkeypatch, capsys):
+    from launch import cli, torchrun
+
+    assert cli.main(["yaml/demo_cpu.yaml", "--max-restarts", "-1"]) == 2
+    assert "--max-restarts must be >= 0, got -1" in capsys.readouterr().err
+    seen = []
+    monkeypatch.setattr(torchrun, "run", seen.append)
+    monkeypatch.setenv(launch.main.ERROR_DIR_ENV, "")  # launch() sets it for its ranks: undone after the test
+    args = argparse.Namespace(rdzv_endpoint=None, rdzv_id="trident", node_rank=0, max_restarts=2,
+                              yaml_path="yaml/demo_cpu.yaml", overrides=[])
+    assert cli.launch(args, logs_dir=Path("logs"), nnodes=1, nproc=2) == 0
+    assert "--max-restarts=2" in seen[0] and seen[0][-2:] == ["launch.main", "yaml/demo_cpu.yaml"]
