@@ -257,6 +257,11 @@ class SGLangRolloutEngine(RolloutEngine):
                    for index, server in self._live_servers()}
         wait_reporting(futures.values(), lambda done: f"{path} on {len(futures) - done} of {len(futures)} SGLang "
                                                       f"server(s) ({', '.join(s.url for s in self.servers)})")
+        return self._answers(futures)
+
+    def _answers(self, futures: dict[int, concurrent.futures.Future]) -> dict[int, Any]:
+        """The answers of the servers that answered, by index; a server found dead is recorded for a
+        restart (or its crash raised, ``_server_died``)."""
         answers = {}
         for index, future in futures.items():
             try:
@@ -404,8 +409,8 @@ class SGLangRolloutEngine(RolloutEngine):
         # A fresh name per group: torch refuses to register a name twice, and an abandoned group
         # (see _abandon_weight_update_group) stays registered in this process.
         group_name = f"trident_weight_update_{uuid.uuid4().hex[:8]}"
-        futures = [
-            self._control_pool.submit(
+        futures = {
+            i: self._control_pool.submit(
                 server.post,
                 "/init_weights_update_group",
                 {
@@ -419,7 +424,7 @@ class SGLangRolloutEngine(RolloutEngine):
                 timeout_s,
             )
             for i, server in enumerate(self.servers)
-        ]
+        }
         joined: dict[str, Any] = {}
 
         def join_group() -> None:
@@ -435,12 +440,7 @@ class SGLangRolloutEngine(RolloutEngine):
         # thread, so a rendezvous left waiting then cannot hold the process at exit.
         joiner = threading.Thread(target=join_group, name="weight-update-group", daemon=True)
         joiner.start()
-        answers = {}
-        for index, future in enumerate(futures):
-            try:
-                answers[index] = future.result()
-            except SGLangServerCrashed as error:
-                self._server_died(index, error)
+        answers = self._answers(futures)
         if self.dead:
             return  # no group without it: the session pushes nothing, the restart's sync forms a new one
         self._check_success("/init_weights_update_group", answers)

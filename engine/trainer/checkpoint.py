@@ -18,8 +18,9 @@ the previous checkpoint complete and pointed to. Only then are checkpoints beyon
 ``max_ckpt_to_keep`` deleted. With ``async_save`` (megatron-core's asynchronous distributed save)
 ``save`` returns once every rank's tensors are set aside and a background process writes them;
 ``finalize`` (collective, called at every step boundary) completes the checkpoint (manifest,
-rename, ``latest``, pruning) once every rank's writer is done; one save is in flight at most. Before writing, the free space of the file system is checked against
-the size the checkpoint will take (the previous one's, or the models' tensors for the first).
+rename, ``latest``, pruning) once every rank's writer is done; one save is in flight at most.
+Before writing, the free space of the file system is checked against the size the checkpoint
+will take (the previous one's, or the models' tensors for the first).
 
 A resume checks the chosen checkpoint against its manifest (the ranks hash the files between them).
 A damaged one (a truncated or changed shard, a missing file) is skipped for the newest older one
