@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 
 import pytest
 import torch
 
-from engine.rollout import SamplingParams, WeightUpdateError
+from engine.rollout import SamplingParams, WeightUpdateError, sglang_server
 from engine.rollout.base import RolloutServerDied
 from engine.config import RolloutConfig
 from engine.rollout.sglang_server import (SGLangServer, SGLangServerConfig, SGLangServerCrashed, WaitReport,
@@ -96,26 +97,37 @@ def test_server_that_fails_to_start_is_reported_with_its_log(tiny, tmp_path):
     assert "no-such-flag" in str(error.value)
 
 
-def test_a_server_whose_port_was_taken_starts_on_another(engine, tiny, tmp_path):
-    """The race of a port drawn free and taken before the server binds it, by the worst taker: another
-    SGLang server, which answers /health 200 there. The new server must not take that answer for its
-    own; it starts again on a fresh port and serves from there."""
+def test_a_server_whose_ports_were_taken_starts_on_others(engine, tiny, tmp_path, monkeypatch):
+    """The race of a port drawn free and taken before the server binds it, for both of its ports. Its
+    ``--nccl-port`` is held by a listening socket (the server exits); its HTTP port by the worst
+    taker, another SGLang server, which answers /health 200 there. The new server must take neither
+    for a start; it starts again on fresh ports and serves from there."""
     taken = engine.servers[0].port
+    holder = socket.create_server(("127.0.0.1", 0))
+    held = holder.getsockname()[1]
     server = SGLangServer(SGLangServerConfig(model_path=str(tiny.path), log_path=tmp_path / "second.log",
                                              rollout=RolloutConfig(startup_timeout_s=300)))
     server.port = taken
+    draws = iter([held])  # the first start's NCCL port
+    real_draw = sglang_server.find_free_port
+    monkeypatch.setattr(sglang_server, "find_free_port", lambda host: next(draws, None) or real_draw(host))
     try:
         server.start()
         first = server.process.pid
         server.wait_until_ready()
-        assert not live_processes_in_group(first)  # the hung first launch is gone
+        assert not live_processes_in_group(first)  # the failed launches are gone
         assert server.port != taken and server.url.endswith(f":{server.port}")
         log = (tmp_path / "second.log").read_text()
-        assert f"{taken}): address already in use" in log and f"--port {server.port}" in log
+        starts = log.split("[trident] ")[1:]
+        assert len(starts) == 3
+        assert f"--nccl-port {held} " in starts[0] and "address already in use" in starts[0]
+        assert f"--port {taken} " in starts[1] and f"{taken}): address already in use" in starts[1]
+        assert f"--port {server.port} " in starts[2] and "address already in use" not in starts[2]
         assert server._owns_port() and engine.servers[0]._owns_port()
         assert server.post("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}})
     finally:
         server.stop()
+        holder.close()
     assert not live_processes_in_group(server.process.pid)
     assert engine.servers[0].is_healthy()  # the first server was left alone
 

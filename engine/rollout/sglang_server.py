@@ -11,6 +11,7 @@ import atexit
 import concurrent.futures
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -158,6 +159,7 @@ class SGLangServer:
         self.log_path = Path(config.log_path)
         self.process: subprocess.Popen | None = None
         self._log_offset = 0  # where this start's part of the (appended) log begins
+        self._nccl_port: int | None = None  # drawn afresh by each ``command``
         # A server another process started and supervises (``attach``): only HTTP requests from here.
         self.attached = False
         self.refused_limit_s: float | None = None  # see REFUSED_LIMIT_S
@@ -181,14 +183,16 @@ class SGLangServer:
         return server
 
     def command(self) -> tuple[list[str], dict[str, str]]:
-        """The server command line and environment (plain SGLang on GPU, CPU additions otherwise)."""
+        """The server command line and environment (plain SGLang on GPU, CPU additions otherwise), with
+        a freshly drawn NCCL port."""
         cfg = self.config
+        self._nccl_port = find_free_port(cfg.host)
         args = [
             cfg.python_executable, "-m", SERVER_MODULE,
             "--model-path", str(cfg.model_path),
             "--host", cfg.host,
             "--port", str(self.port),
-            "--nccl-port", str(find_free_port(cfg.host)),
+            "--nccl-port", str(self._nccl_port),
             "--tp-size", str(cfg.rollout.tensor_model_parallel_size),
             "--mem-fraction-static", str(cfg.rollout.gpu_memory_utilization),
             "--dtype", cfg.rollout.dtype,
@@ -259,28 +263,35 @@ class SGLangServer:
         """Poll ``/health`` until this server's own process answers 200; raise if the process dies or
         time runs out.
 
-        A chosen port can be taken by another process before the server binds it (a rank's port is
-        drawn while other ranks start their own servers): uvicorn then logs the bind error and the
-        launcher hangs instead of exiting, while another server on that port may answer ``/health``
-        for it. So the answer counts only from a port this server's process group listens on, and a
-        server that lost its port starts again on a fresh one (``PORT_ATTEMPTS`` in all)."""
+        A chosen port can be taken by another process before the server binds it (a rank's ports are
+        drawn while other ranks and other jobs start their own servers). A lost ``--nccl-port`` makes
+        the server exit; a lost HTTP port makes uvicorn log the bind error and the launcher hang, while
+        another server on that port may answer ``/health`` for it. So the answer counts only from a
+        port this server's process group listens on, and a server that lost a port starts again on
+        fresh ones (``PORT_ATTEMPTS`` in all; a fixed ``port`` that is taken is an error at once)."""
         deadline = time.monotonic() + self.config.rollout.startup_timeout_s
         attempts, refused_since = 1, None
         report = WaitReport()
         while time.monotonic() < deadline:
             report.tick(lambda: f"SGLang server {self.url} to start (at most actor_rollout_ref.rollout.startup_timeout_s="
                                 f"{self.config.rollout.startup_timeout_s:.0f}; log {self.log_path})")
-            self.raise_if_crashed(grace_s=0.0)
-            if self._lost_its_port():
-                if self.config.port is not None or attempts == PORT_ATTEMPTS:
+            # Polled before the log is read, so that an exit's last lines are in what is read.
+            exited = self.process is not None and not self.attached and self.process.poll() is not None
+            lost = self._lost_port()
+            if lost is not None:
+                fixed = lost == self.port and self.config.port is not None
+                if fixed or attempts == PORT_ATTEMPTS:
                     self.stop()
-                    raise RolloutError(f"SGLang server port {self.port} on {self.config.host} is taken by another "
-                                       f"process ({attempts} port(s) tried); log {self.log_path}")
+                    raise RolloutError(f"SGLang server port {lost} on {self.config.host} is taken by another "
+                                       f"process ({attempts} start(s) tried); log {self.log_path}")
                 attempts += 1
                 self.stop()
-                self.port = find_free_port(self.config.host)
+                if lost == self.port:
+                    self.port = find_free_port(self.config.host)
                 self.start()
                 continue
+            if exited or self.process is None:
+                self.raise_if_crashed(grace_s=0.0)
             try:
                 if self._session().get(self.url + "/health", timeout=5).status_code == 200 and self._owns_port():
                     self._check_api_key()
@@ -302,15 +313,20 @@ class SGLangServer:
             f"log {self.log_path}, last lines:\n{self.log_tail()}"
         )
 
-    def _lost_its_port(self) -> bool:
-        """Whether this start's log says the HTTP port was not free."""
+    def _lost_port(self) -> int | None:
+        """The port (HTTP or NCCL) that this start's log says was not free, if any."""
         try:
             with open(self.log_path, "rb") as log:
                 log.seek(self._log_offset)
                 lines = log.read().decode(errors="replace").splitlines()
         except OSError:
-            return False
-        return any(PORT_TAKEN in line and str(self.port) in line for line in lines)
+            return None
+        for line in lines:
+            if PORT_TAKEN in line:
+                for port in (self.port, self._nccl_port):
+                    if re.search(rf"\b{port}\b", line):
+                        return port
+        return None
 
     def _owns_port(self) -> bool:
         """Whether the process listening on this server's port is one of its own group."""
