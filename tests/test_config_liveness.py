@@ -71,7 +71,8 @@ def scenarios(tmp_path, demo_model) -> list[str]:
            "reward_model.combine.normalize_model_score=true", "reward_model.combine.model_score_clip=3",
            "reward_model.combine.reward_clip=2", "algorithm.rollout_correction.rollout_is=sequence",
            "algorithm.rollout_correction.rollout_rs=geometric", "algorithm.rollout_correction.rollout_rs_threshold=1.5",
-           "algorithm.rollout_correction.rollout_rs_threshold_lower=0.5"]
+           "algorithm.rollout_correction.rollout_rs_threshold_lower=0.5",
+           "reward_model.combine.mode=gated", "reward_model.combine.gate_threshold=0.5"]
     grpo = [*common, f"trainer.default_local_dir={run}/grpo", f"data.train_files={small}", "trainer.total_epochs=1",
             "trainer.total_training_steps=null", "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
             "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01",
@@ -79,8 +80,11 @@ def scenarios(tmp_path, demo_model) -> list[str]:
             "actor_rollout_ref.actor.use_rollout_log_probs=true",
             f"reward_model.custom_reward_function.path={reward_file}",
             "reward_model.custom_reward_function.name=sometimes_failing", "reward_model.max_failed_fraction=0.01",
-            "reward_model.max_failed_steps=1000", "reward_model.enable=true", f"reward_model.model.path={reward_model}",
-            "reward_model.combine.mode=gated", "reward_model.combine.gate_threshold=0.5",
+            "reward_model.max_failed_steps=1000",
+            # DAPO: dynamic sampling (more rounds than one, almost surely) and the overlong penalty
+            "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+            "algorithm.filter_groups.max_num_gen_batches=50", "reward_model.overlong_buffer.enable=true",
+            "reward_model.overlong_buffer.len=4", "reward_model.overlong_buffer.penalty_factor=0.5",
             # LoRA: the reference is the actor with its adapters off (use_kl_loss)
             "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
             "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj]"]

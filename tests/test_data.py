@@ -291,22 +291,33 @@ def test_validation_loader_covers_every_prompt_once_with_uneven_ranks(tmp_path):
 @pytest.mark.parametrize("ahead", [False, True])
 def test_training_batches_resume_at_the_batch_after_the_saved_step(tmp_path, ahead):
     """One step off-policy draws the next batch early; the state a checkpoint saves is the one after
-    the step's own batch, so a resumed run draws (and regenerates) the batch that was in flight."""
-    from engine.trainer.ppo_trainer import training_batches
+    the step's own batches, so a resumed run draws (and regenerates) the batch that was in flight.
+    Dynamic sampling draws more batches within a step (``more``); the saved state follows them."""
+    from engine.trainer.ppo_trainer import TrainingPrompts
 
     path = _write(tmp_path / "train.parquet", _rows(QUESTIONS + ["sixth?"]))
     config = DataConfig(train_files=[str(path)], train_batch_size=2, max_prompt_length=512)
     dataset = PromptDataset.from_config(config, build_chat_tokenizer())
-    stream = training_batches(PromptDataLoader.for_training(dataset, config), ahead=ahead)
-    steps = [next(stream) for _ in range(7)]  # 3 batches per epoch: crosses two epoch ends
-    uids = [prompts.prompt_uids.tolist() for prompts, _, _ in steps]
-    assert len({uid for batch in uids for uid in batch}) == 14
+    stream = TrainingPrompts(PromptDataLoader.for_training(dataset, config), ahead=ahead)
+    steps = []
+    for step in range(7):  # 3 batches per epoch: crosses two epoch ends
+        prompts, upcoming = stream.next()
+        extra = [stream.more()] if not ahead and step == 1 else []  # step 2 draws a second batch
+        steps.append((prompts, upcoming, stream.sampler_state, extra))
+    uids = [prompts.prompt_uids.tolist() for prompts, _, _, _ in steps]
+    drawn = [uid for prompts, _, _, extra in steps for batch in [prompts, *extra] for uid in batch.prompt_uids.tolist()]
+    assert len(set(drawn)) == len(drawn) == (14 if ahead else 16)
     if ahead:
-        assert [upcoming.prompt_uids.tolist() for _, upcoming, _ in steps[:-1]] == uids[1:]
+        assert [upcoming.prompt_uids.tolist() for _, upcoming, _, _ in steps[:-1]] == uids[1:]
+        with pytest.raises(RuntimeError, match="generating ahead"):
+            stream.more()
     else:
-        assert all(upcoming is None for _, upcoming, _ in steps)
-    for saved_step in (1, 3, 4):
+        assert all(upcoming is None for _, upcoming, _, _ in steps)
+    for saved_step in (1, 2, 3, 4):
         resumed = PromptDataLoader.for_training(dataset, config)
         resumed.load_state_dict(steps[saved_step - 1][2])
-        again = training_batches(resumed, ahead=ahead)
-        assert [next(again)[0].prompt_uids.tolist() for _ in range(7 - saved_step)] == uids[saved_step:]
+        again = TrainingPrompts(resumed, ahead=ahead)
+        later = [batch.prompt_uids.tolist() for prompts, _, _, extra in steps[saved_step:] for batch in [prompts, *extra]]
+        assert [again.next()[0].prompt_uids.tolist() for _ in later] == later
+
+

@@ -61,6 +61,34 @@ class RolloutCorrectionConfig:
         return upper, lower
 
 
+# What ``algorithm.filter_groups.metric`` may name: the per-response value whose spread within a
+# prompt's group decides whether the group is kept (``engine.algo.dapo``).
+FILTER_GROUP_METRICS = ("acc", "score", "seq_reward")
+
+
+@dataclass
+class FilterGroupsConfig:
+    """``algorithm.filter_groups.*``: DAPO's dynamic sampling (Yu et al. 2025; verl's keys). A prompt
+    group whose ``rollout.n`` responses all have the same ``metric`` teaches a group estimator
+    nothing (every advantage is 0), so such groups are dropped and more prompts are generated, in
+    rounds of ``data.train_batch_size`` prompts, until that many groups with a spread exist; the
+    step trains on exactly that many (the surplus of the last round is discarded, as in verl).
+
+    Attributes:
+        enable: filter groups and generate more.
+        metric: "acc" (the rule score counted as correct when >= 1, as ``val/accuracy`` counts),
+            "score" (the reward, every source combined, overlong penalty included) or "seq_reward"
+            (the sum of the token-level scores: the same value, since the score sits on the last
+            token; verl's name).
+        max_num_gen_batches: rounds one step may generate; a step that still lacks groups stops the
+            run with a message. 0: no limit.
+    """
+
+    enable: bool = False
+    metric: str = "acc"
+    max_num_gen_batches: int = 0
+
+
 @dataclass
 class AlgorithmConfig:
     """``algorithm.*``.
@@ -77,6 +105,7 @@ class AlgorithmConfig:
         kl_penalty: that KL's estimator, one of ``registry.names("kl_estimator")``.
         kl_ctrl: how beta is chosen.
         rollout_correction: importance weights / rejection for the rollout engine's own policy.
+        filter_groups: DAPO's dynamic sampling (drop prompt groups without a reward spread).
     """
 
     adv_estimator: str = "gae"
@@ -87,6 +116,7 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
     @property
     def uses_critic(self) -> bool:

@@ -165,6 +165,25 @@ class JudgeConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """``reward_model.overlong_buffer.*``: DAPO's overlong reward shaping (Yu et al. 2025, eq. 13;
+    verl's keys). A response longer than ``data.max_response_length - len`` tokens gets a penalty
+    that grows linearly over the last ``len`` tokens, from 0 to ``-penalty_factor`` at the limit:
+    ``min(0, (max_response_length - len - length) / len) * penalty_factor``, added to the reward
+    (``engine.algo.dapo.overlong_penalty``); logged as ``reward/overlong_penalty/mean``.
+
+    Attributes:
+        enable: apply the penalty.
+        len: the buffer, in tokens (0 < len <= data.max_response_length).
+        penalty_factor: the penalty at the length limit (>= 0).
+    """
+
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 1.0
+
+
+@dataclass
 class RewardConfig:
     """`reward_model.*` settings.
 
@@ -180,6 +199,7 @@ class RewardConfig:
         combine: how rule, model and judge scores make the reward.
         judge: the LLM judge.
         custom_reward_function: optional user function (see `CustomRewardFunctionConfig`).
+        overlong_buffer: DAPO's penalty on responses near the length limit.
         reward_kwargs: extra keyword arguments passed to every compute_score call (the built-in
             one takes `gsm8k_format_score`: the score of a well-formed but wrong GSM8K answer).
         num_workers: 0 scores in the trainer process; > 0 scores in that many Ray CPU workers.
@@ -200,6 +220,7 @@ class RewardConfig:
     combine: RewardCombineConfig = field(default_factory=RewardCombineConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     num_workers: int = 0
     num_cpus_per_worker: float = 1.0

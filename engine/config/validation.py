@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from engine.config.actor_rollout_ref import ROLLOUT_DTYPES, ROLLOUT_MODES
-from engine.config.algorithm import GROUP_ESTIMATORS
+from engine.config.algorithm import FILTER_GROUP_METRICS, GROUP_ESTIMATORS
 from engine.config.data import TRUNCATION_MODES
 from engine.config.errors import ConfigError
 from engine.config.experiment import ExperimentConfig
@@ -56,6 +56,7 @@ def validate(config: ExperimentConfig, world_size: int | None = None) -> None:
         _check_model_shape("critic.model.path", config.critic.model.path, "critic.megatron", config.critic.megatron)
         _check_critic_batches(config, actor_dp)
     _check_reward_sources(config)
+    _check_dapo(config)
 
 
 # ----------------------------------------------------------------------------- names
@@ -74,6 +75,7 @@ def _check_choices(config: ExperimentConfig) -> None:
         ("algorithm.adv_estimator", algorithm.adv_estimator, registry.names("adv_estimator")),
         ("algorithm.kl_penalty", algorithm.kl_penalty, registry.names("kl_estimator")),
         ("algorithm.kl_ctrl.type", algorithm.kl_ctrl.type, registry.names("kl_controller")),
+        ("algorithm.filter_groups.metric", algorithm.filter_groups.metric, FILTER_GROUP_METRICS),
         (f"{ACTOR}.kl_loss_type", arr.actor.kl_loss_type, registry.names("kl_estimator")),
         (f"{ACTOR}.policy_loss.loss_mode", arr.actor.policy_loss.loss_mode, registry.names("policy_loss")),
         (f"{ACTOR}.loss_agg_mode", arr.actor.loss_agg_mode, registry.names("loss_agg_mode")),
@@ -671,6 +673,33 @@ def _check_reward_sources(config: ExperimentConfig) -> None:
         _require(judge.max_retries >= 0, "reward_model.judge.max_retries", judge.max_retries, ">= 0")
         _require(0 < judge.model.gpu_memory_utilization <= 1, "reward_model.judge.model.gpu_memory_utilization",
                  judge.model.gpu_memory_utilization, "in (0, 1]")
+
+
+def _check_dapo(config: ExperimentConfig) -> None:
+    """Dynamic sampling and overlong shaping: numbers in range, combinations that are built."""
+    filtering, overlong = config.algorithm.filter_groups, config.reward_model.overlong_buffer
+    if overlong.enable:
+        limit = config.data.max_response_length
+        _require(0 < overlong.len <= limit, "reward_model.overlong_buffer.len", overlong.len,
+                 f"in [1, data.max_response_length={limit}] (the tokens before the limit that are penalised)")
+        _require(overlong.penalty_factor >= 0, "reward_model.overlong_buffer.penalty_factor", overlong.penalty_factor,
+                 ">= 0 (the penalty at the length limit)")
+    _require(filtering.max_num_gen_batches >= 0, "algorithm.filter_groups.max_num_gen_batches",
+             filtering.max_num_gen_batches, ">= 0 (0: no limit)")
+    if not filtering.enable:
+        return
+    key, rollout = "algorithm.filter_groups.enable", config.actor_rollout_ref.rollout
+    _require(rollout.n >= 2, f"{ROLLOUT}.n", rollout.n,
+             f">= 2 with {key}=true: a group of one response never has a spread, so every group would be dropped")
+    _require(not config.algorithm.uses_greedy_baseline, key, True,
+             "false with algorithm.adv_estimator=remax (dynamic sampling with its greedy baselines is not built)")
+    _require(config.trainer.max_staleness == 0, key, True,
+             f"false with trainer.max_staleness={config.trainer.max_staleness}: dynamic sampling with rollouts "
+             f"generated ahead is not built")
+    _require(not (config.reward_model.enable and rollout.mode == "colocated"), key, True,
+             f"false with reward_model.enable=true and {ROLLOUT}.mode=colocated: the rounds of generation keep the "
+             f"engine's memory resident, and the reward model's forward would peak with it (not built; use "
+             f"{ROLLOUT}.mode=disaggregated, or rule and judge rewards)")
 
 
 def _check_reward_model_folder(path: str) -> None:

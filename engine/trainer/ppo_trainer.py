@@ -11,18 +11,20 @@ import logging
 import os
 import time
 from dataclasses import replace
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from engine.algo.advantages import AdvantageInputs, compute_advantages
+from engine.algo.dapo import groups_with_spread, overlong_penalty
 from engine.algo.kl import apply_kl_penalty
 from engine.algo.rollout_correction import compute_rollout_correction
 from engine.algo.stats import masked_mean
 from engine.config import ExperimentConfig
-from engine.config.reward_model import RewardCombineConfig
 from engine.models.checkpoint import save_peft_adapter
+from engine.data import PromptBatch
 from engine.rewards.combine import RewardScores, combine_rewards
 from engine.rewards.manager import decode_responses, token_level_scores
 from engine.rewards.spmd import score_on_all_ranks
@@ -37,7 +39,8 @@ from engine.trainer.console import say
 from engine.trainer.fault_injection import RESTART_COUNT_ENV, kill_if_asked
 from engine.trainer.flops import DecoderShape, model_flops_utilization, peak_flops_per_device, training_flops
 from engine.trainer.profiling import StepProfiler
-from engine.trainer.rollout import generate, restart_dead_servers
+from engine.trainer.dynamic_sampling import ScoredRollout, fill_with_groups_with_spread
+from engine.trainer.rollout import Rollout, generate, restart_dead_servers
 from engine.trainer.run_dir import RunDirectory
 from engine.trainer.tracking import Tracker, phase, step_peak_memory
 
@@ -63,24 +66,25 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
     if parts.val_loader is not None and (trainer.val_only or (trainer.val_before_train and step == 0)):
         metrics = validate(cfg, parts)
         tracker.log(metrics, step)
-    batches = training_batches(parts.train_loader, ahead=trainer.max_staleness > 0)
+    batches = TrainingPrompts(parts.train_loader, ahead=trainer.max_staleness > 0)
     hang_minutes = watchdog.timeout_minutes(trainer.hang_timeout_minutes, trainer.collective_timeout_minutes)
     with watchdog.watching(hang_minutes, run.stacks_dir, rank, dist.get_world_size()):
         while step < parts.total_training_steps and not trainer.val_only:
-            prompts, upcoming, sampler_state = next(batches)
+            prompts, upcoming = batches.next()
             step += 1
             watchdog.at_step(step)
             kill_if_asked(rank, step)  # a failure test's lost rank (never set in production)
             parts.checkpoints.finalize()  # an asynchronous save whose writers are done becomes complete
             last = step == parts.total_training_steps
             with profiler.step(step):
-                metrics = ppo_iteration(cfg, parts, prompts, step, upcoming=None if last else upcoming)
+                metrics = ppo_iteration(cfg, parts, prompts, step, upcoming=None if last else upcoming,
+                                        more_prompts=batches.more)
             if parts.val_loader is not None and trainer.test_freq > 0 and step % trainer.test_freq == 0:
                 metrics.update(validate(cfg, parts))
             tracker.log(metrics, step)
             # save_freq -1: only at the end of the run.
             if last or (trainer.save_freq > 0 and step % trainer.save_freq == 0):
-                save_checkpoint(parts, step, sampler_state)
+                save_checkpoint(parts, step, batches.sampler_state)
     parts.checkpoints.close()  # waits for an asynchronous save still being written
     tracker.close()
     if parts.engine is not None:
@@ -107,27 +111,42 @@ def export_actor(cfg: ExperimentConfig, parts: PPOComponents, run: RunDirectory)
         say(f"[trident] actor exported as a HuggingFace model{' (adapters merged)' if model.lora_rank else ''}: {path}")
 
 
-def training_batches(loader, ahead: bool):
-    """Endless training batches, epoch after epoch: ``(prompts, upcoming, sampler_state)`` with
-    ``upcoming`` the batch after it when generating one step ahead (else None) and
-    ``sampler_state`` the loader's position right after ``prompts`` was drawn, which a checkpoint
-    saves: a batch still generating ahead is drawn again and regenerated after a resume."""
-    def drawn():
+class TrainingPrompts:
+    """Endless training batches, epoch after epoch. ``next()`` gives a step's ``(prompts,
+    upcoming)``, ``upcoming`` being the batch after it when generating one step ahead (else None);
+    ``more()`` draws another batch for the same step (dynamic sampling). ``sampler_state`` is the
+    loader's position right after the step's last batch was drawn, which a checkpoint saves: a
+    batch still generating ahead is drawn again and regenerated after a resume."""
+
+    def __init__(self, loader, ahead: bool) -> None:
+        self._stream = self._drawn(loader)
+        self._ahead = ahead
+        self._upcoming = None
+        self.sampler_state: dict | None = None
+
+    @staticmethod
+    def _drawn(loader):
         while True:
             for prompts in loader:
                 yield prompts, loader.state_dict()
 
-    stream = drawn()
-    current = next(stream)
-    while True:
-        upcoming = next(stream) if ahead else None
-        yield current[0], upcoming[0] if upcoming else None, current[1]
-        current = upcoming or next(stream)
+    def next(self):
+        (prompts, self.sampler_state), self._upcoming = (self._upcoming or next(self._stream),
+                                                         next(self._stream) if self._ahead else None)
+        return prompts, self._upcoming[0] if self._upcoming else None
+
+    def more(self):
+        if self._ahead:
+            raise RuntimeError("another batch for this step while the next one is generating ahead")
+        prompts, self.sampler_state = next(self._stream)
+        return prompts
 
 
-def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: int, upcoming=None) -> dict[str, float]:
+def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: int, upcoming=None,
+                  more_prompts: Callable[[], PromptBatch] | None = None) -> dict[str, float]:
     """One PPO iteration on this rank's share of the global prompt batch; ``upcoming`` (one step
-    off-policy): the next batch, which the servers generate while this one trains.
+    off-policy): the next batch, which the servers generate while this one trains; ``more_prompts``
+    draws another batch for dynamic sampling (``algorithm.filter_groups``).
 
     Memory choreography (colocated rollout, ``engine.rollout.memory``): the engine holds its
     weights, KV cache and CUDA graphs only to generate; it releases them before the training phases
@@ -143,10 +162,15 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
         generated = parts.rollout_ahead.take(parts, prompts.repeat_interleave(rollout.n), sampling, policy_version=step)
         if upcoming is not None:
             parts.rollout_ahead.start(parts, upcoming.repeat_interleave(rollout.n), sampling, policy_version=step)
-        batch, meta, rollout_log_probs = generated.batch, generated.meta, generated.log_probs
         # ReMax (Li et al. 2023): a greedy response per prompt, whose reward is the baseline.
         greedy = generate(parts, prompts, replace(sampling, temperature=0.0)) if algo.uses_greedy_baseline else None
+    scored = None
+    if algo.filter_groups.enable:  # DAPO's dynamic sampling: rounds while the engine is resident
+        scored = _fill_with_groups_with_spread(cfg, parts, generated, more_prompts, sampling, step, metrics)
+        generated = scored.rollout
+    with phase("gen", metrics):
         _release_engine_memory(parts, MEMORY_TAGS)
+    batch, meta, rollout_log_probs = generated.batch, generated.meta, generated.log_probs
     metrics.update(_staleness_metrics(generated, step))
     metrics["rollout/server_restarts"] = parts.server_restarts
     if cfg.actor_rollout_ref.actor.use_rollout_log_probs:  # pi_old = the sampler's own log-probs, no recompute
@@ -164,11 +188,12 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
         with phase("values", metrics):
             batch.values = parts.critic.compute_values(batch)
     with phase("reward", metrics):
-        scores, _, reward_metrics = _score(parts, batch, meta, cfg.reward_model.combine, training=True)
+        scored = scored or _score(parts, generated, cfg, training=True)
+        scores, reward_metrics = scored.scores, scored.metrics
         rewards = token_level_scores(scores, batch.response_mask)
         baseline = None
         if greedy is not None:
-            baseline, _, _ = _score(parts, greedy.batch, greedy.meta, cfg.reward_model.combine)
+            baseline = _score(parts, greedy, cfg).scores
             metrics["critic/greedy_score/mean"] = baseline.mean().item()
             baseline = baseline.repeat_interleave(rollout.n)
     with phase("adv", metrics):
@@ -194,13 +219,34 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
         sync = hand_over_weights(parts)  # hand back the cache, resume weights, push, resume KV cache + graphs
     metrics["timing_s/step"] = time.perf_counter() - start  # phase() names its entries timing_s/<phase>
     metrics["perf/weight_sync_received_mb"] = sync.stats.bytes_received / 2**20  # this rank, in the engine's dtype
-    metrics.update(_batch_metrics(batch, scores, rollout_log_probs, reward_metrics))
+    metrics.update(_batch_metrics(batch, scores, rollout_log_probs, reward_metrics, rollout.n))
     tokens = int(batch.attention_mask.sum())
     metrics["perf/total_num_tokens"] = tokens
     # HybridFlow's throughput: prompt + response tokens of the global batch / iteration time, per device.
     metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / dist.get_world_size()
     metrics.update(step_peak_memory(metrics))
     return metrics
+
+
+def _fill_with_groups_with_spread(cfg: ExperimentConfig, parts: PPOComponents, generated: Rollout, more_prompts,
+                                  sampling: SamplingParams, step: int, metrics: dict) -> ScoredRollout:
+    """DAPO's dynamic sampling (``engine.trainer.dynamic_sampling``): the step's batch of exactly
+    ``data.train_batch_size`` groups with a reward spread, generating more rounds as needed."""
+    n = cfg.actor_rollout_ref.rollout.n
+
+    def scored(rollout: Rollout) -> ScoredRollout:
+        with phase("reward", metrics):
+            return _score(parts, rollout, cfg, training=True)
+
+    def next_round() -> ScoredRollout:
+        with phase("gen", metrics):
+            rollout = generate(parts, more_prompts().repeat_interleave(n), sampling, policy_version=step)
+        return scored(rollout)
+
+    batch, round_metrics = fill_with_groups_with_spread(scored(generated), next_round, cfg.algorithm.filter_groups,
+                                                        cfg.data.train_batch_size, n, parts.tokenizer.pad_token_id or 0)
+    metrics.update(round_metrics)
+    return batch
 
 
 def hand_over_weights(parts: PPOComponents):
@@ -262,12 +308,13 @@ def _resume_engine_memory(parts: PPOComponents, tags) -> None:
         record("resume", tags=list(tags))
 
 
-def _score(parts: PPOComponents, batch: RolloutBatch, meta: dict, combine: RewardCombineConfig,
-           training: bool = False) -> tuple[torch.Tensor, RewardScores, dict[str, float]]:
+def _score(parts: PPOComponents, generated: Rollout, cfg: ExperimentConfig, training: bool = False) -> ScoredRollout:
     """The reward of each response, ``[B]`` on every rank: its rule score (each response scored on
     one rank, ``score_on_all_ranks``), reward-model score and judge score, combined by
-    ``reward_model.combine``; the scores of each source; and the ``reward/*`` metrics. ``training``
-    counts failing rule calls (a function that keeps failing stops the run)."""
+    ``reward_model.combine``, plus DAPO's overlong penalty (``reward_model.overlong_buffer``); the
+    scores of each source; and the ``reward/*`` metrics. ``training`` counts failing rule calls (a
+    function that keeps failing stops the run)."""
+    batch, meta = generated.batch, generated.meta
     responses = decode_responses(parts.tokenizer, batch.input_ids[:, -batch.response_length:], batch.response_mask)
     sources, metrics = RewardScores(), {}
     if parts.scores_rules:
@@ -283,14 +330,26 @@ def _score(parts: PPOComponents, batch: RolloutBatch, meta: dict, combine: Rewar
     if parts.judge is not None:
         sources.judge, judge_metrics = parts.judge.score_on_all_ranks(meta["messages"], responses)
         metrics.update(judge_metrics)
-    scores, combined_metrics = combine_rewards(sources, combine)
+    scores, combined_metrics = combine_rewards(sources, cfg.reward_model.combine)
     metrics.update(combined_metrics)
-    return scores, sources, metrics
+    overlong = cfg.reward_model.overlong_buffer
+    if overlong.enable:
+        penalty = overlong_penalty(batch.response_mask.sum(dim=1), cfg.data.max_response_length, overlong.len,
+                                   overlong.penalty_factor)
+        scores = scores + penalty
+        metrics["reward/overlong_penalty/mean"] = penalty.mean().item()
+    return ScoredRollout(generated, scores, sources, metrics)
 
 
-def _batch_metrics(batch: RolloutBatch, scores, rollout_log_probs, reward_metrics) -> dict[str, float]:
+def _batch_metrics(batch: RolloutBatch, scores, rollout_log_probs, reward_metrics, n: int) -> dict[str, float]:
+    """The trained batch's metrics; with ``n`` responses per prompt, how many prompt groups it has and
+    the fraction whose rewards differ (the rest teach a group estimator nothing; see
+    ``algorithm.filter_groups``)."""
     mask = batch.response_mask
     lengths = mask.sum(dim=1)
+    if n > 1:
+        reward_metrics = {**reward_metrics, "critic/groups/count": len(batch) / n,
+                          "critic/groups_with_spread/fraction": groups_with_spread(scores, n).float().mean().item()}
     metrics = {
         "critic/score/mean": scores.mean().item(), "critic/score/max": scores.max().item(),
         "critic/score/min": scores.min().item(),
@@ -321,7 +380,8 @@ def validate(cfg: ExperimentConfig, parts: PPOComponents) -> dict[str, float]:
     per_prompt: list[list[float]] = []  # rule scores; each prompt's n responses are consecutive
     for prompts in parts.val_loader:
         generated = generate(parts, prompts.repeat_interleave(val.n), params)
-        scores, sources, _ = _score(parts, generated.batch, generated.meta, cfg.reward_model.combine)
+        scored = _score(parts, generated, cfg)
+        scores, sources = scored.scores, scored.sources
         rewards += scores.tolist()
         if sources.model is not None:
             model_scores += sources.model.tolist()
@@ -340,7 +400,7 @@ def validate(cfg: ExperimentConfig, parts: PPOComponents) -> dict[str, float]:
 
 def save_checkpoint(parts: PPOComponents, step: int, sampler_state: dict) -> None:
     """Everything ``resume_from_checkpoint`` needs to continue exactly after ``step`` (collective);
-    ``sampler_state``: the loader's position after the batch of ``step`` (``training_batches``)."""
+    ``sampler_state``: the loader's position after the batches of ``step`` (``TrainingPrompts``)."""
     extra = {"step": step, "sampler": sampler_state, "kl_controller": parts.kl_controller.state_dict(),
              # the roles seed each update's mini-batch shuffle with their call count
              "update_calls": {name: role.num_update_calls for name, role in _trained_roles(parts).items()}}

@@ -48,6 +48,40 @@ class Rollout:
     policy_version: int
     generation_s: float  # how long the engine generated it (start to last response)
 
+    def select(self, rows: torch.Tensor) -> "Rollout":
+        """The rows ``rows`` (indices, in that order)."""
+        batch = RolloutBatch(self.batch.input_ids[rows], self.batch.attention_mask[rows], self.batch.response_mask[rows],
+                             routed_experts=None if self.batch.routed_experts is None else self.batch.routed_experts[rows])
+        index = rows.tolist()
+        meta = {key: value[rows] if isinstance(value, torch.Tensor) else [value[i] for i in index]
+                for key, value in self.meta.items()}
+        return Rollout(batch, meta, self.log_probs[rows], self.policy_version, self.generation_s)
+
+    @staticmethod
+    def concat(rollouts: list["Rollout"], pad_id: int) -> "Rollout":
+        """One rollout of several generated with the same weights and response length: prompts
+        left-padded to the widest; the generation time is the sum."""
+        width = max(r.batch.input_ids.shape[1] for r in rollouts)
+
+        def widened(tensor: torch.Tensor | None, fill: int) -> torch.Tensor | None:
+            if tensor is None:
+                return None
+            pad = torch.full((tensor.shape[0], width - tensor.shape[1], *tensor.shape[2:]), fill, dtype=tensor.dtype)
+            return torch.cat([pad, tensor], dim=1)
+
+        experts = [r.batch.routed_experts for r in rollouts]
+        if any(e is None for e in experts) and not all(e is None for e in experts):
+            raise ValueError("rollouts to concatenate disagree on whether the engine reported routed experts")
+        batch = RolloutBatch(
+            torch.cat([widened(r.batch.input_ids, pad_id) for r in rollouts]),
+            torch.cat([widened(r.batch.attention_mask, 0) for r in rollouts]),
+            torch.cat([r.batch.response_mask for r in rollouts]),
+            routed_experts=None if experts[0] is None else torch.cat([widened(e, -1) for e in experts]))
+        meta = {key: torch.cat([r.meta[key] for r in rollouts]) if isinstance(value, torch.Tensor)
+                else [item for r in rollouts for item in r.meta[key]] for key, value in rollouts[0].meta.items()}
+        return Rollout(batch, meta, torch.cat([r.log_probs for r in rollouts]), rollouts[0].policy_version,
+                       sum(r.generation_s for r in rollouts))
+
 
 @dataclasses.dataclass
 class _Pending:
