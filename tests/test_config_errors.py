@@ -389,6 +389,11 @@ def test_group_estimator_needs_several_samples_per_prompt():
     ("critic.megatron.use_distributed_optimizer=false critic.megatron.overlap_param_gather=true",
      "critic.megatron.overlap_param_gather=True: must be false or null with critic.megatron.use_distributed_optimizer=false"),
     ("algorithm.lam=1.5", "algorithm.lam=1.5: must be in [0, 1]"),
+    ("critic.megatron.moe_router_replay=true", "router replay is built for the actor's passes"),
+    ("actor_rollout_ref.actor.megatron.moe_router_replay=true actor_rollout_ref.model.enable_gradient_checkpointing=true "
+     "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+     "moe_router_replay=True: must be false with actor_rollout_ref.model.enable_gradient_checkpointing=true and "
+     "pipeline parallelism"),
     ("actor_rollout_ref.rollout.top_p=0", "top_p=0.0: must be in (0, 1]"),
     ("actor_rollout_ref.actor.optim.betas=[0.9]", "betas=[0.9]: must be two numbers"),
     ("trainer.save_freq=0", "trainer.save_freq=0: must be -1 (only at the end) or >= 1"),

@@ -102,6 +102,11 @@ def test_load_balancing_loss_on_a_dense_model(demo_model, tmp_path, monkeypatch,
     assert "critic.megatron.moe_aux_loss_coeff=0.01: the load-balancing loss needs a Mixture-of-Experts model" in err
 
 
+def test_router_replay_on_a_dense_model(demo_model, tmp_path, monkeypatch, capsys):
+    err = trident_error(tmp_path, monkeypatch, capsys, ["actor_rollout_ref.actor.megatron.moe_router_replay=true"])
+    assert "actor_rollout_ref.actor.megatron.moe_router_replay=true: router replay needs a Mixture-of-Experts model" in err
+
+
 def test_moe_model_at_tensor_parallel_without_sequence_parallel(demo_model, tmp_path, monkeypatch, capsys):
     from engine.models.char_tokenizer import build_char_tokenizer
     from launch.rehearse import write_tiny_model

@@ -185,9 +185,21 @@ def test_moe_update_with_expert_parallelism_matches_ep1(tiny_qwen3_moe, tmp_path
     # quarter of layer 0's expert sets replaced, exactly that share of the compared pairs.
     routing = results["routing"]
     assert routing["compared"] > 100 and routing["corrupted"] > 10
+    # Router replay (R3) of the corrupted routing: the trainer routes as told (0 differing pairs), and its
+    # log-probs are transformers' (float64) with every token forced to those experts, within the dense
+    # models' tolerance, where without replay they are the natural routing's, far from the forced ones.
+    assert routing["forced_vs_natural"] > 1e-3, routing
     for layout_name in ("1,1,0,0,0,0,2", "2,1,0,1,1,0,2", "1,2,0,0,0,1,2", "2,2,0,1,1,0,1"):
-        assert routing[layout_name]["same"] == 0.0, layout_name
-        assert routing[layout_name]["corrupted"] == pytest.approx(routing["corrupted"] / routing["compared"]), layout_name
+        measured = routing[layout_name]
+        assert measured["same"] == 0.0, layout_name
+        assert measured["corrupted"] == pytest.approx(routing["corrupted"] / routing["compared"]), layout_name
+        assert measured["replayed_same"] == measured["replayed_corrupted"] == 0.0, (layout_name, measured)
+        assert measured["same_vs_natural"] <= TOLERANCE and measured["corrupted_vs_natural"] <= TOLERANCE, measured
+        assert measured["replayed_same_vs_natural"] <= TOLERANCE, (layout_name, measured)
+        assert measured["replayed_corrupted_vs_forced"] <= TOLERANCE, (layout_name, measured)
+        assert measured["corrupted_vs_forced"] > 1e-3, (layout_name, measured)
+    update = routing["2,1,0,1,1,0,2"]
+    assert update["update_grad_norm"] > 0 and update["routers_changed"] and all(update["routers_changed"]), update
     everything = lambda w: torch.cat([t.flatten().double() for _, t in sorted(w.items())])  # noqa: E731
     for name in MOE_LAYOUTS:
         # Per tensor 1e-4: Adam's m / sqrt(v) amplifies fp32 round-off where a weight's gradients nearly

@@ -177,6 +177,9 @@ class MegatronConfig(FrozenMegatronConfig):
             mini-batch, so nothing is copied).
         optimizer_offload: keep the Adam state and fp32 main weights in host memory outside the
             updates.
+        moe_router_replay: R3 (``engine.roles.routing``): an MoE actor's routers take the experts the
+            rollout engine routed each token to, in the old-log-prob pass and the update (the
+            engine must report them: the embedded engine does, SGLang on CUDA). Actor only.
     """
 
     use_distributed_optimizer: bool = True
@@ -186,6 +189,7 @@ class MegatronConfig(FrozenMegatronConfig):
     param_offload: bool = False
     grad_offload: bool = False
     optimizer_offload: bool = False
+    moe_router_replay: bool = False
 
     def param_gather_overlapped(self) -> bool:
         """``overlap_param_gather`` resolved (null: on with the distributed optimizer)."""

@@ -121,6 +121,8 @@ def _check_sglang_installed(config: ExperimentConfig) -> None:
 
 
 _LORA = "LoRA is built for the actor only (actor_rollout_ref.model.lora_rank); the critic trains all its weights"
+_ROUTER_REPLAY = ("router replay is built for the actor's passes (actor_rollout_ref.actor.megatron."
+                  "moe_router_replay); the critic routes its values itself")
 _CONTEXT_PARALLEL = "context parallelism is not built yet (the roles do not split sequences over CP ranks); use 1"
 # Keys of features that are not built yet: the only value each accepts, and why. Anything else is
 # refused here, never accepted and ignored (tests/test_config_liveness.py holds every other key to
@@ -132,6 +134,7 @@ NOT_BUILT: dict[str, tuple[Any, str]] = {
     f"{ACTOR}.megatron.context_parallel_size": (1, _CONTEXT_PARALLEL),
     "critic.megatron.context_parallel_size": (1, _CONTEXT_PARALLEL),
     "reward_model.megatron.context_parallel_size": (1, _CONTEXT_PARALLEL),
+    "critic.megatron.moe_router_replay": (False, _ROUTER_REPLAY),
 }
 
 
@@ -216,6 +219,11 @@ def _check_ranges(config: ExperimentConfig) -> None:
                  f"{prefix}.overlap_param_gather", True,
                  f"false or null with {prefix}.use_distributed_optimizer=false (without the distributed optimizer "
                  "every rank holds the whole updated weights: there is nothing to gather)")
+    _require(not (actor.megatron.moe_router_replay and arr.model.enable_gradient_checkpointing
+                  and actor.megatron.pipeline_model_parallel_size > 1), f"{ACTOR}.megatron.moe_router_replay", True,
+             "false with actor_rollout_ref.model.enable_gradient_checkpointing=true and pipeline parallelism: a layer "
+             "recomputed in a backward pass that does not directly follow its forward would replay another "
+             "micro-batch's routing (not built)")
     _check_optim(f"{ACTOR}.optim", actor.optim)
     _check_positive(arr.ref, "actor_rollout_ref.ref", ("log_prob_max_token_len_per_gpu",))
     _check_positive(arr.ref, "actor_rollout_ref.ref", ("log_prob_micro_batch_size_per_gpu",), allow_none=True)

@@ -8,13 +8,17 @@ update does not depend on how the mini-batch is split over micro-batches or data
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 from engine.algo.losses import LossOutput, LossScale, compute_actor_loss
 from engine.config.actor_rollout_ref import ActorConfig, RefConfig
+from engine.config.errors import ConfigError
 from engine.models.lora import adapters_disabled, has_lora
 from engine.roles.batch import RolloutBatch
-from engine.roles.routing import RoutingComparison
+from engine.roles.routing import RoutingComparison, RoutingReplay
 from engine.roles.vocab_parallel import vocab_parallel_log_probs
 from engine.roles.worker import (
     MegatronWorker,
@@ -112,16 +116,37 @@ class MegatronActor(_PolicyMixin, TrainableWorker):
         ``temperature``: the rollout's log-prob temperature (``SamplingParams.log_prob_temperature``).
         With the rollout's routing of an MoE model (``batch.routed_experts``), ``metrics`` gets
         ``rollout/routed_experts_mismatch`` (``engine.roles.routing``)."""
-        if batch.routed_experts is None or not self.model_config.num_moe_experts or metrics is None:
-            return self.compute_log_probs(batch, self.log_prob_batches, temperature)["log_probs"]
-        self.routing_comparison = RoutingComparison(self.model_chunks, self.tp_rank, self.tp_size)
-        try:
+        with self._rollout_routing(batch, compare=metrics is not None) as comparison:
             log_probs = self.compute_log_probs(batch, self.log_prob_batches, temperature)["log_probs"]
-        finally:
-            comparison, self.routing_comparison = self.routing_comparison, None
-            comparison.close()
-        metrics["rollout/routed_experts_mismatch"] = comparison.mismatch(device())
+        if comparison is not None:
+            metrics["rollout/routed_experts_mismatch"] = comparison.mismatch(device())
         return log_probs
+
+    @contextlib.contextmanager
+    def _rollout_routing(self, batch: RolloutBatch, compare: bool) -> Iterator[RoutingComparison | None]:
+        """Within: the rollout's routing replayed (``megatron.moe_router_replay``) and, with
+        ``compare``, compared with the routing the passes use (yielded; None without routes)."""
+        if not self.model_config.num_moe_experts:
+            yield None
+            return
+        replay = self.config.megatron.moe_router_replay
+        if batch.routed_experts is None:
+            if replay:
+                raise ConfigError("actor_rollout_ref.actor.megatron.moe_router_replay=true, but the rollout engine "
+                                  "reported no routed experts for this batch (the embedded engine does; SGLang only on "
+                                  "CUDA, with --enable-return-routed-experts)")
+            yield None
+            return
+        active = [RoutingReplay(self.model_chunks, self.tp_rank, self.tp_size)] if replay else []
+        if compare:
+            active.append(RoutingComparison(self.model_chunks, self.tp_rank, self.tp_size))
+        self.rollout_routing = active
+        try:
+            yield active[-1] if compare else None
+        finally:
+            self.rollout_routing = []
+            for routing in active:
+                routing.close()
 
     def update_policy(self, batch: RolloutBatch, temperature: float) -> dict[str, float]:
         """PPO update on ``batch`` (needs ``old_log_probs``, ``advantages``; ``ref_log_probs``
@@ -142,7 +167,8 @@ class MegatronActor(_PolicyMixin, TrainableWorker):
                 ref_log_probs=micro_batch.ref_log_probs.to(dev) if config.use_kl_loss else None,
             )
 
-        return self.run_updates(batch, self.schedule, loss_fn, "actor")
+        with self._rollout_routing(batch, compare=False):
+            return self.run_updates(batch, self.schedule, loss_fn, "actor")
 
 
 class ReferencePolicy(_PolicyMixin, MegatronWorker):

@@ -138,7 +138,8 @@ class MegatronWorker:
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        self.routing_comparison = None  # an engine.roles.routing.RoutingComparison while one runs
+        # engine.roles.routing's comparison and replay of the rollout's MoE routing, while they run
+        self.rollout_routing: list = []
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
@@ -230,8 +231,8 @@ class MegatronWorker:
         def forward_step(data_iterator, model):
             index = next(data_iterator)
             mb_inputs = inputs[index]
-            if self.routing_comparison is not None:
-                self.routing_comparison.expect(mb_inputs.layout, micro_batches[index].routed_experts)
+            for routing in self.rollout_routing:
+                routing.expect(mb_inputs.layout, micro_batches[index].routed_experts)
             output = model(
                 mb_inputs.layout.input_ids, mb_inputs.position_ids, mb_inputs.attention_mask,
                 packed_seq_params=mb_inputs.packed_seq_params, padding_mask=self.stage_padding_mask(model, mb_inputs),

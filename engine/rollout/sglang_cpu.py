@@ -7,6 +7,8 @@ when ``torch.cuda.is_available()`` is False:
 - ``TRIDENT_SGLANG_FORK=1``: the server's scheduler and detokenizer are forked from its launcher
   instead of spawned (``engine.rollout.sglang_launch``; CUDA is why SGLang spawns them), which saves
   re-importing SGLang and torch in each: 9 s instead of 21 s of CPU per TP1 server start.
+- ``TRIDENT_SGLANG_UNPINNED_HOST=1``: SGLang's host buffers in plain memory (it pins them with
+  ``cudaHostRegister``); the routed-experts capture needs one (``engine.rollout.sglang_launch``).
 - ``--attention-backend torch_native``: the other attention backends need CUDA or AMX kernels.
 - ``--disable-overlap-schedule``: the overlap scheduler assumes CUDA streams.
 - ``launch/install/cpu_standins`` on ``PYTHONPATH``: a stand-in ``sgl_kernel`` (no kernels, no torch
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from engine.rollout.sglang_launch import FORK_ENV
+from engine.rollout.sglang_launch import FORK_ENV, UNPINNED_HOST_ENV
 
 CPU_STANDINS_DIR = Path(__file__).resolve().parents[2] / "launch" / "install" / "cpu_standins"
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
@@ -62,6 +64,7 @@ def adapt_server_for_cpu(args: list[str], env: dict[str, str], tensor_model_para
     env = dict(env)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env[FORK_ENV] = "1"
+    env[UNPINNED_HOST_ENV] = "1"
     env["SGLANG_NCCL_SO_PATH"] = NO_NCCL_LIBRARY
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_STANDINS_DIR), env.get("PYTHONPATH", "")) if p)
     if tensor_model_parallel_size > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in env:

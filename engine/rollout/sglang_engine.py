@@ -18,6 +18,7 @@ over the replicas) so each server can batch them. Weights are pushed bucket by b
 """
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import dataclasses
 import datetime
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from engine.config.actor_rollout_ref import RolloutConfig
@@ -47,7 +49,8 @@ from engine.rollout.base import (
     validate_prompts,
 )
 from engine.rollout.sglang_cpu import memory_occupation_control_supported
-from engine.rollout.sglang_server import SGLangServer, SGLangServerConfig, SGLangServerCrashed, wait_reporting
+from engine.rollout.sglang_server import (RETURN_ROUTED_EXPERTS_ARG, SGLangServer, SGLangServerConfig,
+                                          SGLangServerCrashed, wait_reporting)
 from parallel.state import find_free_port
 
 logger = logging.getLogger(__name__)
@@ -90,6 +93,9 @@ class SGLangRolloutConfig:
     random_seed: int | None = None
     trust_remote_code: bool = False
     extra_server_args: tuple[str, ...] = ()
+    # MoE: ask the servers for the experts each token was routed to (--enable-return-routed-experts;
+    # the actor replays them, ``actor.megatron.moe_router_replay``).
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         tp = self.rollout.tensor_model_parallel_size
@@ -170,7 +176,35 @@ def _sglang_sampling_params(params: SamplingParams) -> dict[str, Any]:
     }
 
 
-def _parse_sample(item: dict[str, Any]) -> RolloutSample:
+@dataclasses.dataclass(frozen=True)
+class RoutedExpertsLayout:
+    """How SGLang reports routed experts: ``meta_info["routed_experts"]`` is base64 of int32
+    ``[prompt + output tokens - 1, every decoder layer, top-k]`` (``sglang/srt/state_capturer/
+    routed_experts.py``, ``extract_routed_experts_from_meta_info``); Trident keeps the MoE layers."""
+
+    num_layers: int
+    topk: int
+    moe_layers: tuple[int, ...]
+
+    @classmethod
+    def of_model(cls, model_path: str) -> "RoutedExpertsLayout":
+        from engine.models.hf_config import architecture_from_hf
+
+        architecture = architecture_from_hf(model_path)
+        if architecture.moe is None:
+            raise RolloutError(f"routed experts asked of SGLang for {model_path}, a dense model")
+        return cls(architecture.num_layers, architecture.moe.topk, tuple(architecture.moe.layers))
+
+    def decode(self, encoded: str, tokens: int) -> torch.Tensor:
+        """``[tokens - 1, MoE layers, k]`` int16 of one response (``tokens``: prompt + output)."""
+        flat = torch.from_numpy(np.frombuffer(base64.b64decode(encoded), dtype=np.int32).copy())
+        if flat.numel() != (tokens - 1) * self.num_layers * self.topk:
+            raise RolloutError(f"SGLang reported {flat.numel()} routed-expert ids for {tokens} tokens, expected "
+                               f"({tokens} - 1) x {self.num_layers} layers x top-{self.topk}")
+        return flat.view(tokens - 1, self.num_layers, self.topk)[:, list(self.moe_layers)].to(torch.int16)
+
+
+def _parse_sample(item: dict[str, Any], prompt_length: int, routed_layout: RoutedExpertsLayout | None) -> RolloutSample:
     meta = item["meta_info"]
     token_ids = [int(t) for t in item["output_ids"]]
     log_probs = [lp for lp, _token, _text in meta.get("output_token_logprobs") or []]
@@ -183,7 +217,13 @@ def _parse_sample(item: dict[str, Any]) -> RolloutSample:
     reason = (meta.get("finish_reason") or {}).get("type", "abort")
     if reason not in ("stop", "length", "abort"):
         raise RolloutError(f"SGLang returned an unknown finish reason {meta.get('finish_reason')!r}")
-    return RolloutSample(token_ids[:length], log_probs[:length], reason)
+    routed = None
+    if routed_layout is not None:
+        if not meta.get("routed_experts"):
+            raise RolloutError("SGLang returned no routed experts (was it started with --enable-return-routed-experts?)")
+        routed = routed_layout.decode(meta["routed_experts"], prompt_length + len(token_ids))
+        routed = routed[:prompt_length + length - 1]
+    return RolloutSample(token_ids[:length], log_probs[:length], reason, routed_experts=routed)
 
 
 class SGLangRolloutEngine(RolloutEngine):
@@ -194,6 +234,7 @@ class SGLangRolloutEngine(RolloutEngine):
         # May be switched between sessions (e.g. tensor pushes locally, distributed to remote servers).
         self.weight_transport: WeightTransport = config.weight_transport
         self.tensor_shapes = checkpoint_tensor_shapes(config.model_path)
+        self._routed_layout = RoutedExpertsLayout.of_model(config.model_path) if config.return_routed_experts else None
         run_dir = Path(config.run_dir)
         running = config.attach_to or config.external_servers
         addresses = [address.rsplit(":", 1) for address in running] or [(config.host, None)] * len(config.replica_gpus)
@@ -215,7 +256,8 @@ class SGLangRolloutEngine(RolloutEngine):
                     max_total_tokens=config.max_total_tokens,
                     random_seed=config.random_seed,
                     trust_remote_code=config.trust_remote_code,
-                    extra_args=tuple(config.extra_server_args),
+                    extra_args=tuple(config.extra_server_args) + (
+                        (RETURN_ROUTED_EXPERTS_ARG,) if config.return_routed_experts else ()),
                     api_key=config.api_key,
                 )
             )
@@ -316,7 +358,8 @@ class SGLangRolloutEngine(RolloutEngine):
             self._pool.submit(
                 self.servers[target].post,
                 "/generate",
-                {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True},
+                {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True,
+                 **({"return_routed_experts": True} if self._routed_layout is not None else {})},
                 self.config.rollout.request_timeout_s,
             )
             for target, prompt in zip(targets, prompts)
@@ -334,7 +377,7 @@ class SGLangRolloutEngine(RolloutEngine):
             items = answer if isinstance(answer, list) else [answer]
             if len(items) != sampling_params.n:
                 raise RolloutError(f"SGLang returned {len(items)} samples for a prompt, expected n={sampling_params.n}")
-            results[i] = [_parse_sample(item) for item in items]
+            results[i] = [_parse_sample(item, len(prompts[i]), self._routed_layout) for item in items]
         if len(results) < len(prompts):
             raise RolloutServerDied(f"{len(prompts) - len(results)} of {len(prompts)} prompts were lost with SGLang "
                                     f"server(s) {', '.join(self.servers[i].url for i in self.dead)}", completed=results)

@@ -5,6 +5,10 @@ each switched on by the environment the server is started with (``engine.rollout
   the command line. A key on the command line is readable by every user of the node
   (``/proc/<pid>/cmdline``, ``ps``), and SGLang 0.5 logs its ``server_args`` with ``api_key`` in
   clear; here its start-up log shows ``<redacted>`` in its place.
+- ``TRIDENT_SGLANG_UNPINNED_HOST=1`` (set on CPU only, by ``engine.rollout.sglang_cpu``): SGLang's
+  host buffers (the routed-experts capture of ``--enable-return-routed-experts`` among them) are
+  allocated in plain memory: it pins them with ``cudaHostRegister``, which needs CUDA. The CPU
+  stand-in for pinned memory; nothing else of the capture changes.
 - ``TRIDENT_SGLANG_FORK=1`` (set on CPU only, by ``engine.rollout.sglang_cpu``): SGLang's scheduler
   and detokenizer processes are forked from the launcher, which has already imported SGLang, instead
   of spawned. SGLang forces the ``spawn`` start method because CUDA cannot be forked; a spawned
@@ -21,6 +25,7 @@ import sys
 
 API_KEY_ENV = "TRIDENT_ROLLOUT_API_KEY"
 FORK_ENV = "TRIDENT_SGLANG_FORK"
+UNPINNED_HOST_ENV = "TRIDENT_SGLANG_UNPINNED_HOST"
 
 
 def _redact_api_key(key: str) -> None:
@@ -45,6 +50,16 @@ def _fork_subprocesses() -> None:
     multiprocessing.set_start_method = fork_instead
 
 
+def _unpinned_host_memory() -> None:
+    """SGLang's host-buffer allocator for ``cpu``, without ``cudaHostRegister``."""
+    from sglang.srt.mem_cache.pool_host import common
+
+    def allocate(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
+        return allocator.allocate(dims, dtype=dtype, device=device)
+
+    common.ALLOC_MEMORY_FUNCS["cpu"] = allocate
+
+
 def main() -> None:
     sys.argv = ["sglang.launch_server", *sys.argv[1:]]
     key = os.environ.get(API_KEY_ENV)
@@ -52,6 +67,8 @@ def main() -> None:
         _redact_api_key(key)
     if os.environ.get(FORK_ENV) == "1":
         _fork_subprocesses()
+    if os.environ.get(UNPINNED_HOST_ENV) == "1":
+        _unpinned_host_memory()
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 
 

@@ -37,6 +37,8 @@ SERVER_MODULE = "engine.rollout.sglang_launch"
 LOG_TAIL_LINES = 30
 # Starts on a fresh port after the chosen one was taken before the server bound it (see wait_until_ready).
 PORT_ATTEMPTS = 3
+# The server records the experts each token was routed to and returns them on request (MoE, R3).
+RETURN_ROUTED_EXPERTS_ARG = "--enable-return-routed-experts"
 # What uvicorn logs, and then hangs, when the HTTP port is not free.
 PORT_TAKEN = "address already in use"
 # An external server's address that refuses connections this long has no server behind it: the job

@@ -287,7 +287,8 @@ def _start_disaggregated_servers(cfg: ExperimentConfig, run: RunDirectory, pushe
 
     rollout, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
     launch = dict(run_dir=str(run.rollout_dir), weight_transport="distributed", random_seed=cfg.trainer.seed,
-                  trust_remote_code=model.trust_remote_code)
+                  trust_remote_code=model.trust_remote_code,
+                  return_routed_experts=cfg.actor_rollout_ref.actor.megatron.moe_router_replay)
     if rollout.server_addresses:
         return _attach_external_servers(cfg, launch, pushes_weights)
     servers = rollout.num_gpus // rollout.tensor_model_parallel_size
@@ -371,7 +372,8 @@ def _build_engine(cfg: ExperimentConfig, run: RunDirectory, layout: HybridLayout
     engine = create_rollout_engine(rollout, model.path, run_dir=str(run.rollout_dir), replica_gpus=(gpus,),
                                    first_replica_index=replica,
                                    random_seed=cfg.trainer.seed + dist.get_rank(),
-                                   trust_remote_code=model.trust_remote_code, extra_server_args=_server_metrics_args(cfg))
+                                   trust_remote_code=model.trust_remote_code, extra_server_args=_server_metrics_args(cfg),
+                                   return_routed_experts=cfg.actor_rollout_ref.actor.megatron.moe_router_replay)
     _register_server_metrics(cfg, run, engine)
     return engine
 

@@ -81,6 +81,9 @@ def check_trainable_layout(architecture, megatron, key: str) -> None:
     if architecture.moe is not None and tp > 1 and not layout.sequence_parallel:
         raise InputError(f"{key}.sequence_parallel=false: megatron-core trains the MoE layers of "
                          f"{architecture.model_type} at tensor_model_parallel_size={tp} only with sequence parallelism")
+    if architecture.moe is None and megatron.moe_router_replay:
+        raise InputError(f"{key}.moe_router_replay=true: router replay needs a Mixture-of-Experts model; "
+                         f"{architecture.model_type} is dense")
     if architecture.moe is None and megatron.moe_aux_loss_coeff > 0:
         raise InputError(f"{key}.moe_aux_loss_coeff={megatron.moe_aux_loss_coeff}: the load-balancing loss needs a "
                          f"Mixture-of-Experts model; {architecture.model_type} is dense")

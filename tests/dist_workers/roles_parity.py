@@ -277,14 +277,60 @@ def check_load_balancing(hf_dir: Path, seed: int, results: dict) -> None:
     results["load_balancing"] = out
 
 
+def forced_routing_log_probs(hf_model, batch, routing: torch.Tensor | None) -> torch.Tensor:
+    """float64 log pi of ``batch``'s response tokens (``[B, R]``, 0 on padding) by transformers, with
+    each token's experts forced to ``routing`` (``[B, S, L, k]``, -1: the router's own) through a hook
+    on its routers: the mixing weights are the router's softmax at the forced experts, renormalised
+    as Qwen3-MoE does (an engine that routed so, independently of megatron's replay)."""
+    routers = [m for m in hf_model.modules() if type(m).__name__.endswith("TopKRouter")]
+    forced: list[torch.Tensor | None] = [None]
+
+    def hook(layer: int):
+        def force(router, args, output):
+            logits, scores, indices = output
+            if forced[0] is None:
+                return output
+            wanted = forced[0][:, layer].long()
+            reported = (wanted >= 0).all(dim=-1, keepdim=True)
+            indices = torch.where(reported, wanted, indices)
+            scores = torch.softmax(logits, dim=-1).gather(1, indices)
+            if router.norm_topk_prob:
+                scores = scores / scores.sum(dim=-1, keepdim=True)
+            return logits, scores.to(logits.dtype), indices
+        return force
+
+    handles = [router.register_forward_hook(hook(layer)) for layer, router in enumerate(routers)]
+    rows, width = batch.input_ids.shape
+    response = batch.response_length
+    out = torch.zeros(rows, response, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            for row in range(rows):
+                columns = batch.attention_mask[row].nonzero().flatten()
+                forced[0] = None if routing is None else routing[row, columns]
+                logits = hf_model(batch.input_ids[row, columns][None]).logits[0] / TEMPERATURE
+                log_probs = torch.log_softmax(logits, -1)[:-1].gather(-1, batch.input_ids[row, columns][1:, None])[:, 0]
+                targets = columns[1:]  # the log-prob of the token at each column after the first
+                for position, column in enumerate(targets.tolist()):
+                    if column >= width - response:
+                        out[row, column - (width - response)] = log_probs[position]
+    finally:
+        for handle in handles:
+            handle.remove()
+    return out * batch.response_mask
+
+
 def check_routing_mismatch(hf_dir: Path, seed: int, results: dict) -> None:
     """``rollout/routed_experts_mismatch`` of the old-log-prob pass at several layouts, against the
     routing transformers computes (float64) for every token but each row's last: 0 differing pairs,
-    and exactly the corrupted share after replacing a quarter of layer 0's expert sets with others."""
+    and exactly the corrupted share after replacing a quarter of layer 0's expert sets with others.
+    With router replay (R3, ``megatron.moe_router_replay``) on the corrupted routing: 0 differing
+    pairs, and the log-probs of a transformers forward forced to that routing (float64) within the
+    dense models' tolerance; and an update that replays it."""
     from megatron.core import parallel_state
     from transformers import AutoModelForCausalLM
 
-    from engine.models.checkpoint import load_hf_weights
+    from engine.models.checkpoint import export_hf_state_dict, load_hf_weights
     from engine.models.gpt import build_model_chunks
     from engine.roles import MegatronActor
 
@@ -306,7 +352,10 @@ def check_routing_mismatch(hf_dir: Path, seed: int, results: dict) -> None:
     for row, column in pairs.tolist():
         others = [e for e in range(experts) if e not in corrupted[row, column, 0].tolist()]
         corrupted[row, column, 0] = torch.tensor(others[:k], dtype=torch.int16)
-    out = {"compared": int((routed[..., 0] >= 0).sum()), "corrupted": len(pairs)}
+    natural_reference = forced_routing_log_probs(hf_model, batch, None)
+    forced_reference = forced_routing_log_probs(hf_model, batch, corrupted)
+    out = {"compared": int((routed[..., 0] >= 0).sum()), "corrupted": len(pairs),
+           "forced_vs_natural": float((forced_reference - natural_reference).abs().max())}
     # tp,pp,vpp,sp,packing,dynamic,ep
     for text in ("1,1,0,0,0,0,2", "2,1,0,1,1,0,2", "1,2,0,0,0,1,2", "2,2,0,1,1,0,1"):
         spec = parse_layout(text)
@@ -314,13 +363,26 @@ def check_routing_mismatch(hf_dir: Path, seed: int, results: dict) -> None:
         actor_config, _, log_prob_batches = configs(spec, parallel_state.get_data_parallel_world_size())
         chunks = build_model_chunks(hf_dir, layout)
         load_hf_weights(chunks, hf_dir)
+        measured = {}
         actor = MegatronActor(chunks, actor_config, log_prob_batches=log_prob_batches, samples_per_prompt=1,
                               total_optimizer_steps=4, seed=SEED, use_remove_padding=spec["packing"])
-        measured = {}
-        for name, routing in (("same", routed), ("corrupted", corrupted)):
-            metrics: dict = {}
-            actor.compute_old_log_probs(replace(batch, routed_experts=routing), TEMPERATURE, metrics)
-            measured[name] = metrics["rollout/routed_experts_mismatch"]
+        for replay in (False, True):  # one actor (one DDP wrap of the chunks), the switch flipped
+            actor.config = replace(actor_config, megatron=replace(actor_config.megatron, moe_router_replay=replay))
+            for name, routing in (("same", routed), ("corrupted", corrupted)):
+                metrics: dict = {}
+                log_probs = actor.compute_old_log_probs(replace(batch, routed_experts=routing), TEMPERATURE, metrics)
+                label = f"{'replayed_' if replay else ''}{name}"
+                measured[label] = metrics["rollout/routed_experts_mismatch"]
+                for reference_name, reference in (("natural", natural_reference), ("forced", forced_reference)):
+                    gap = (log_probs.double() - reference) * batch.response_mask
+                    measured[f"{label}_vs_{reference_name}"] = float(gap.abs().max())
+        if text == "2,1,0,1,1,0,2":  # an update with the corrupted routing replayed: the routers still learn
+            before = {key: value.clone() for key, value in export_hf_state_dict(chunks).items() if "mlp.gate." in key}
+            update_batch = replace(batch, routed_experts=corrupted, old_log_probs=forced_reference.float())
+            metrics = actor.update_policy(update_batch, TEMPERATURE)
+            after = export_hf_state_dict(chunks)
+            measured["update_grad_norm"] = metrics["actor/grad_norm"]
+            measured["routers_changed"] = [bool((after[key] - value).abs().max() > 0) for key, value in before.items()]
         out[text] = measured
     results["routing"] = out
 
