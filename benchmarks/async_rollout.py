@@ -119,7 +119,7 @@ def run(name: str, overrides: tuple[str, ...], args, work: Path) -> dict:
         "step_s": step_s, "generation_s": generation_s,
         "trainer_idle_s": median(row["timing_s/gen"] + row["perf/wait_rollout_ahead_s"] for row in timed),
         "server_idle_s": max(0.0, step_s - generation_s),
-        "staleness": [row["rollout/staleness"] for row in timed], "steps": rows,
+        "staleness": [row["rollout/staleness/max"] for row in timed], "steps": rows,
     }
 
 

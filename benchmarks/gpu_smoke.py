@@ -152,7 +152,7 @@ def memory_hand_off(parts) -> dict[str, Any]:
         engine.release_memory(MEMORY_TAGS)  # whatever part of the resume went through
         hand_back_cache("gpu_smoke")
         result["free_after_hand_back_gb"] = torch.cuda.mem_get_info()[0] / GIB
-    hand_over_weights(parts)  # hand back, resume weights, push, resume KV cache and graphs
+    hand_over_weights(parts, 1)  # hand back, resume weights, push, resume KV cache and graphs
     result["engine_resumed"] = engine.memory()
     check(result["engine_resumed"]["weight_bytes"] == before["weight_bytes"], "the weights did not come back")
     return result
@@ -192,7 +192,7 @@ def run(steps: int, cpu: bool, work: Path) -> dict[str, Any]:
         parts = build_components(cfg, run_dir)  # the engine first, released, then the models
         report["start_order"] = start_order(parts.engine)
         report["parameters"] = sum(p.numel() for chunk in parts.actor.model_chunks for p in chunk.parameters())
-        hand_over_weights(parts)
+        hand_over_weights(parts, 1)
         report["memory_hand_off"] = memory_hand_off(parts)
         batches = iter(parts.train_loader)
         for step in range(1, steps):
@@ -209,7 +209,7 @@ def run(steps: int, cpu: bool, work: Path) -> dict[str, Any]:
         parts = build_components(cfg, run_dir)
         check(resume_from_checkpoint(cfg, parts) == steps - 1, "the rebuilt run did not resume from the checkpoint")
         check(actor_fingerprint(parts) == saved, "the resumed actor's weights differ from the saved ones")
-        hand_over_weights(parts)
+        hand_over_weights(parts, steps)
         report["steps"].append(_step(cfg, parts, next(iter(parts.train_loader)), steps))
         parts.engine.shutdown()
     finally:

@@ -429,8 +429,10 @@ def test_cli_prints_the_message_and_exits_2_without_traceback():
 
 
 def test_max_staleness_needs_servers_that_generate_while_training():
-    assert "trainer.max_staleness=2: must be 0 (on-policy) or 1" in error_of(DEMO, ["trainer.max_staleness=2"])
-    assert "generation cannot overlap training" in error_of(DEMO, ["trainer.max_staleness=1"])
+    assert "trainer.max_staleness=-1: must be >= 0" in error_of(DEMO, ["trainer.max_staleness=-1"])
+    assert "generation cannot overlap training" in error_of(DEMO, ["trainer.max_staleness=2"])
+    assert "partial_rollout=True: must be false with trainer.max_staleness=0" in error_of(
+        DEMO, ["actor_rollout_ref.rollout.partial_rollout=true"])
     off_policy = ["trainer.max_staleness=1", "actor_rollout_ref.rollout.mode=disaggregated",
                   "actor_rollout_ref.rollout.num_gpus=2"]
     assert "check_weight_sync=True: must be false with trainer.max_staleness=1" in error_of(

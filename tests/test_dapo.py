@@ -52,7 +52,7 @@ def scored_round(round_index: int, correct: list[list[int]], prompt_length: int)
             tag = 1000 * round_index + 10 * group + row
             prompts.append([tag] * prompt_length)
             responses.append(([tag, tag + 1][: 1 + row % 2], [-0.5, -0.25][: 1 + row % 2],
-                              torch.full((prompt_length + 1 + row % 2, 2, 1), tag % 8, dtype=torch.int16)))
+                              torch.full((prompt_length + 1 + row % 2, 2, 1), tag % 8, dtype=torch.int16), None))
             uids.append(group)  # prompt uids repeat across rounds, as when the data wraps around
     batch, log_probs = to_rollout_batch(prompts, responses, response_length=3, pad_id=0)
     rows = len(prompts)

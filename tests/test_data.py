@@ -288,9 +288,9 @@ def test_validation_loader_covers_every_prompt_once_with_uneven_ranks(tmp_path):
     assert len(PromptDataLoader.for_validation(dataset, config)) == 2
 
 
-@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("ahead", [0, 1, 2])
 def test_training_batches_resume_at_the_batch_after_the_saved_step(tmp_path, ahead):
-    """One step off-policy draws the next batch early; the state a checkpoint saves is the one after
+    """Off-policy (``ahead`` steps) draws the next batches early; the state a checkpoint saves is the one after
     the step's own batches, so a resumed run draws (and regenerates) the batch that was in flight.
     Dynamic sampling draws more batches within a step (``more``); the saved state follows them."""
     from engine.trainer.ppo_trainer import TrainingPrompts
@@ -301,23 +301,25 @@ def test_training_batches_resume_at_the_batch_after_the_saved_step(tmp_path, ahe
     stream = TrainingPrompts(PromptDataLoader.for_training(dataset, config), ahead=ahead)
     steps = []
     for step in range(7):  # 3 batches per epoch: crosses two epoch ends
-        prompts, upcoming = stream.next()
+        prompts, upcoming = stream.next(steps_left=7 - step)
         extra = [stream.more()] if not ahead and step == 1 else []  # step 2 draws a second batch
         steps.append((prompts, upcoming, stream.sampler_state, extra))
     uids = [prompts.prompt_uids.tolist() for prompts, _, _, _ in steps]
     drawn = [uid for prompts, _, _, extra in steps for batch in [prompts, *extra] for uid in batch.prompt_uids.tolist()]
     assert len(set(drawn)) == len(drawn) == (14 if ahead else 16)
-    if ahead:
-        assert [upcoming.prompt_uids.tolist() for _, upcoming, _, _ in steps[:-1]] == uids[1:]
+    if ahead:  # the first step starts `ahead` batches, later ones one each, none past the last step
+        started = [[batch.prompt_uids.tolist() for batch in upcoming] for _, upcoming, _, _ in steps]
+        assert [len(batches) for batches in started] == [ahead] + [1] * (6 - ahead) + [0] * ahead
+        assert [uid for batches in started for uid in batches] == uids[1:]
         with pytest.raises(RuntimeError, match="generating ahead"):
             stream.more()
     else:
-        assert all(upcoming is None for _, upcoming, _, _ in steps)
+        assert all(upcoming == [] for _, upcoming, _, _ in steps)
     for saved_step in (1, 2, 3, 4):
         resumed = PromptDataLoader.for_training(dataset, config)
         resumed.load_state_dict(steps[saved_step - 1][2])
         again = TrainingPrompts(resumed, ahead=ahead)
         later = [batch.prompt_uids.tolist() for prompts, _, _, extra in steps[saved_step:] for batch in [prompts, *extra]]
-        assert [again.next()[0].prompt_uids.tolist() for _ in later] == later
+        assert [again.next(len(later) - i)[0].prompt_uids.tolist() for i in range(len(later))] == later
 
 

@@ -47,7 +47,7 @@ def test_pipeline_stages_push_their_own_weights_to_a_server_of_its_own(demo_mode
         # the check passed (it raises otherwise); the gap is fp32 round-off
         assert row["rollout/log_prob_abs_diff"] < expected_log_prob_gap("float32"), row
         # on-policy (max_staleness=0), servers of their own train exactly like colocated engines
-        assert row["rollout/policy_version"] == row["step"] and row["rollout/staleness"] == 0
+        assert row["rollout/policy_version"] == row["step"] and row["rollout/staleness/max"] == 0
         assert row["response_length/mean"] == same["response_length/mean"]
         assert row["critic/score/mean"] == same["critic/score/mean"]
         # the same samples give the same losses up to PP2-vs-PP1 round-off, which the updates compound
@@ -138,7 +138,8 @@ def test_one_step_off_policy_trains_on_the_previous_weights_samples(demo_model, 
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     # Step 1 has nothing generated ahead; from then on, step k trains on step k - 1's weights' samples.
     assert [row["rollout/policy_version"] for row in rows] == [1, 1, 2, 3]
-    assert [row["rollout/staleness"] for row in rows] == [0, 1, 1, 1]
+    assert [row["rollout/staleness/max"] for row in rows] == [row["rollout/staleness/mean"] for row in rows] == [0, 1, 1, 1]
+    assert all(row["rollout/partial/fraction"] == 0 for row in rows)  # each batch waited for before the push
     assert all(row["perf/rollout_generation_s"] > 0 for row in rows)
     # The correction sees it: the same weights (step 1, fp32) differ by round-off only, one update
     # apart they differ by about the update's own KL.

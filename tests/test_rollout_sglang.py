@@ -6,6 +6,7 @@ ONE server for the module; the crash test kills it (twice), so it is the last te
 """
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import socket
@@ -55,6 +56,70 @@ def test_gloo_distributed_update_serves_the_new_weights(engine, tiny):
     engine.weight_transport = "tensor"
     engine.update_weights(tiny.model.state_dict().items(), bucket_megabytes=1.0)
     assert_serves(engine, tiny.model)
+
+
+def test_a_generation_paused_for_a_push_continues_with_the_new_weights_token_by_token(engine, tiny):
+    """Partial rollouts (``rollout.partial_rollout``): generations paused in place, the weights pushed
+    and named version 2, then continued. Each response's tokens carry the version that sampled them:
+    version 1 up to the push, 2 after; its log-probs are the old model's (float64) before the push
+    and, after it, the new model's continuing from the KV cache the old one computed, which is what
+    the engine sampled from. TIS (``algorithm.rollout_correction``) on such a batch weighs each token
+    by exactly its own behaviour log-prob: the corrected loss equals a float64 reference."""
+    from dataclasses import replace
+
+    from engine.algo.losses import LossScale, compute_policy_loss
+    from engine.config import ActorConfig, AlgorithmConfig
+    from engine.config.algorithm import RolloutCorrectionConfig
+    from engine.roles import RolloutBatch
+    from engine.trainer.ppo_trainer import _corrected_for_the_rollout_policy
+
+    new_model = random_llama(seed=2, eos_token_id=tiny.model.config.eos_token_id)
+    prompts, length = [[5, 6, 7], [8, 9, 10, 11]] * 8, 400
+    out = {}
+    engine.set_weight_version(1)
+    thread = threading.Thread(target=lambda: out.setdefault("samples", engine.generate(
+        prompts, SamplingParams(max_new_tokens=length, ignore_eos=True, temperature=1.0))))
+    thread.start()
+    time.sleep(0.6)  # measured: ~170 tokens by then
+    try:
+        engine.pause_generation("in_place")
+        engine.weight_transport = "distributed"
+        engine.update_weights(new_model.state_dict().items(), bucket_megabytes=1.0)
+        engine.set_weight_version(2)
+        engine.continue_generation()
+        thread.join(timeout=300)
+    finally:
+        engine.weight_transport = "tensor"
+        engine.update_weights(tiny.model.state_dict().items(), bucket_megabytes=1.0)
+    old, new = copy.deepcopy(tiny.model).double().eval(), new_model.double().eval()
+    rows = out["samples"][:4]
+    behaviour, trainer = torch.zeros(4, length, dtype=torch.float64), torch.zeros(4, length, dtype=torch.float64)
+    for row, (prompt, (sample,)) in enumerate(zip(prompts, rows)):
+        versions, p = sample.policy_versions, len(prompt)
+        boundary = versions.index(2)
+        assert 0 < boundary < length and versions == [1] * boundary + [2] * (length - boundary)
+        tokens = torch.tensor([prompt + sample.token_ids])
+        with torch.no_grad():
+            before = torch.log_softmax(old(tokens).logits[0], -1)
+            cache = old(tokens[:, :p + boundary - 1], use_cache=True).past_key_values
+            after = torch.log_softmax(new(tokens[:, p + boundary - 1:], past_key_values=cache).logits[0], -1)
+            fresh = torch.log_softmax(new(tokens).logits[0], -1)  # the trainer's recomputation, new weights
+        reference = [before[p - 1 + i, t] for i, t in enumerate(sample.token_ids[:boundary])]
+        reference += [after[i, t] for i, t in enumerate(sample.token_ids[boundary:])]
+        behaviour[row] = torch.tensor(sample.log_probs, dtype=torch.float64)
+        assert torch.allclose(behaviour[row], torch.stack(reference), atol=1e-5, rtol=0)
+        trainer[row] = torch.stack([fresh[p - 1 + i, t] for i, t in enumerate(sample.token_ids)])
+    mask = torch.ones(4, length)
+    advantages = torch.randn(4, length, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    batch = RolloutBatch(torch.zeros(4, length + 1, dtype=torch.long), torch.ones(4, length + 1, dtype=torch.long), mask,
+                         old_log_probs=trainer.float(), advantages=advantages.float())
+    algorithm = AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0))
+    corrected = _corrected_for_the_rollout_policy(batch, behaviour.float(), algorithm, {})
+    loss = compute_policy_loss(corrected.old_log_probs, trainer.float(), corrected.advantages, corrected.response_mask,
+                               ActorConfig(), LossScale.from_response_masks([mask])).loss
+    weights = torch.exp(trainer - behaviour).clamp(max=2.0)  # float64: TIS of each token, ratio 1 at the first step
+    assert (weights != 1).float().mean() > 0.5
+    assert abs(loss.item() - float(-(weights * advantages).mean())) < 1e-5
 
 
 def test_rejected_distributed_update_raises_instead_of_hanging(engine, tiny):

@@ -199,6 +199,12 @@ class RolloutConfig(SamplingConfig):
             this many times per engine (each rank's servers, or rank 0's servers of their own) in a
             run; 0 stops the run at the first death. Servers of ``server_addresses`` are not the
             job's to restart: their death stops the run.
+        partial_rollout: with ``trainer.max_staleness >= 1`` (servers of their own): a weight push
+            does not wait for the generations in flight; they are paused in place (SGLang's
+            ``pause_generation``), the weights pushed, and they continue with the new weights, each
+            token tagged with the version that sampled it (``rollout/staleness/*``,
+            ``rollout/partial/fraction``). The servers run without a prefix cache, so no request
+            starts from a prefix computed by older weights than its own.
         val_kwargs: sampling of the validation responses.
     """
 
@@ -221,6 +227,7 @@ class RolloutConfig(SamplingConfig):
     request_timeout_s: float = 3600.0
     weight_update_timeout_s: float = 600.0
     max_server_restarts: int = 3
+    partial_rollout: bool = False
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
 
 

@@ -86,10 +86,11 @@ class TrainerConfig:
             arrive, and the job ends (``engine.trainer.watchdog``). null = 80% of
             ``collective_timeout_minutes``; 0 = no watchdog.
         max_staleness: 0 = on-policy (each step trains on samples of its own starting weights);
-            1 = one step off-policy: the rollout servers (``rollout.mode=disaggregated``) generate
-            the next batch while the trainer trains on this one, so step k trains on samples of
-            step k - 1's weights (``rollout/policy_version``, ``rollout/staleness``). A batch still
-            generating at a checkpoint is regenerated after a resume.
+            k >= 1 = k steps off-policy: the rollout servers (``rollout.mode=disaggregated``)
+            generate the next k batches while the trainer trains on this one, so step s trains on
+            samples of step s - k's weights (``rollout/policy_version``, ``rollout/staleness/*``;
+            with ``rollout.partial_rollout`` some tokens come from later weights, none from
+            earlier). Batches still generating at a checkpoint are regenerated after a resume.
     """
 
     project_name: str = "trident"

@@ -456,8 +456,10 @@ def _check_rollout_correction(config: ExperimentConfig) -> None:
 def _check_staleness(config: ExperimentConfig) -> None:
     """One step off-policy needs servers that generate while the trainer trains."""
     staleness, rollout = config.trainer.max_staleness, config.actor_rollout_ref.rollout
-    _require(staleness in (0, 1), "trainer.max_staleness", staleness,
-             "0 (on-policy) or 1 (one step off-policy); deeper queues are not built yet")
+    _require(staleness >= 0, "trainer.max_staleness", staleness, ">= 0 (0: on-policy; k: k steps off-policy)")
+    if rollout.partial_rollout:
+        _require(staleness >= 1, f"{ROLLOUT}.partial_rollout", True,
+                 "false with trainer.max_staleness=0: on-policy, no generation is in flight at a weight push")
     if staleness == 0:
         return
     _require(rollout.mode == "disaggregated", "trainer.max_staleness", staleness,
@@ -466,8 +468,8 @@ def _check_staleness(config: ExperimentConfig) -> None:
     _require(not config.algorithm.uses_greedy_baseline, "trainer.max_staleness", staleness,
              "0 with algorithm.adv_estimator=remax (its greedy baseline is not generated ahead)")
     _require(not rollout.check_weight_sync, f"{ROLLOUT}.check_weight_sync", True,
-             "false with trainer.max_staleness=1: the rollout's log-probs come from the previous weights, so they "
-             "cannot confirm the last push (check the sync with max_staleness=0)")
+             f"false with trainer.max_staleness={staleness}: the rollout's log-probs come from earlier weights, so "
+             "they cannot confirm the last push (check the sync with max_staleness=0)")
 
 
 def _check_disaggregated(config: ExperimentConfig) -> None:

@@ -118,6 +118,9 @@ class RolloutSample:
     # to, the last token excepted (it was never fed back), [tokens - 1, MoE layers, top-k] int16;
     # SGLang's return_routed_experts layout.
     routed_experts: torch.Tensor | None = None
+    # The weight version that sampled each token (``set_weight_version``), where the engine tags
+    # them (SGLang): a generation paused for a weight push and continued has two.
+    policy_versions: list[int] | None = None
 
 
 @dataclasses.dataclass
@@ -195,6 +198,10 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def end_weight_update(self) -> None:
         """Close the session; cached prefixes computed with the old weights are dropped."""
+
+    def set_weight_version(self, version: int) -> None:
+        """Name the weights just pushed (the policy version that trains from them); engines that
+        tag each sampled token with it (``RolloutSample.policy_versions``) override this."""
 
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_megabytes: float = 512.0

@@ -217,13 +217,31 @@ def _parse_sample(item: dict[str, Any], prompt_length: int, routed_layout: Route
     reason = (meta.get("finish_reason") or {}).get("type", "abort")
     if reason not in ("stop", "length", "abort"):
         raise RolloutError(f"SGLang returned an unknown finish reason {meta.get('finish_reason')!r}")
+    versions = None
+    if meta.get("weight_versions"):
+        versions = _token_versions(meta["weight_versions"], len(token_ids))
     routed = None
     if routed_layout is not None:
         if not meta.get("routed_experts"):
             raise RolloutError("SGLang returned no routed experts (was it started with --enable-return-routed-experts?)")
         routed = routed_layout.decode(meta["routed_experts"], prompt_length + len(token_ids))
         routed = routed[:prompt_length + length - 1]
-    return RolloutSample(token_ids[:length], log_probs[:length], reason, routed_experts=routed)
+    return RolloutSample(token_ids[:length], log_probs[:length], reason, routed_experts=routed,
+                         policy_versions=None if versions is None else versions[:length])
+
+
+def _token_versions(spans: list[dict[str, Any]], num_tokens: int) -> list[int] | None:
+    """Each output token's weight version from SGLang's ``meta_info["weight_versions"]`` spans
+    (``[{"version", "start", "end"}]``, ``sglang/srt/utils/weight_versions.py``); None while a
+    span has a version Trident did not set (the checkpoint's own, "default")."""
+    versions: list[int] = []
+    for span in spans:
+        if not str(span["version"]).isdigit():
+            return None
+        versions += [int(span["version"])] * (int(span["end"]) - int(span["start"]))
+    if len(versions) != num_tokens:
+        raise RolloutError(f"SGLang's weight-version spans {spans} cover {len(versions)} of {num_tokens} output tokens")
+    return versions
 
 
 class SGLangRolloutEngine(RolloutEngine):
@@ -570,6 +588,12 @@ class SGLangRolloutEngine(RolloutEngine):
         tags = check_memory_tags(tags)
         if memory_occupation_control_supported():
             self._on_all_servers("/resume_memory_occupation", {"tags": list(tags)})
+
+    def set_weight_version(self, version: int) -> None:
+        """Every server tags the tokens it samples from now on with ``version`` (a generation paused
+        in place for the push keeps its earlier tokens' version: ``RolloutSample.policy_versions``)."""
+        if self.owns_servers:
+            self._on_all_servers("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
 
     def pause_generation(self, mode: PauseMode = "abort") -> None:
         check_pause_mode(mode)

@@ -39,6 +39,13 @@ LOG_TAIL_LINES = 30
 PORT_ATTEMPTS = 3
 # The server records the experts each token was routed to and returns them on request (MoE, R3).
 RETURN_ROUTED_EXPERTS_ARG = "--enable-return-routed-experts"
+
+
+def partial_rollout_args(rollout: RolloutConfig) -> tuple[str, ...]:
+    """Servers whose generations go on across weight pushes (``rollout.partial_rollout``) keep no
+    prefix cache: SGLang flushes it after a push only when idle, which they never are then, so a
+    new request could start from a prefix computed by weights older than ``max_staleness``."""
+    return ("--disable-radix-cache",) if rollout.partial_rollout else ()
 # What uvicorn logs, and then hangs, when the HTTP port is not free.
 PORT_TAKEN = "address already in use"
 # An external server's address that refuses connections this long has no server behind it: the job

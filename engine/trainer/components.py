@@ -31,7 +31,7 @@ from engine.roles import MegatronActor, MegatronCritic, MicroBatchConfig, Refere
 from engine.rollout.base import MEMORY_TAGS, RolloutEngine
 from engine.rollout.memory import record
 from engine.rollout.sglang_launch import API_KEY_ENV
-from engine.rollout.sglang_server import SGLangServer
+from engine.rollout.sglang_server import SGLangServer, partial_rollout_args
 from engine.sync import WeightSynchronizer
 from engine.trainer.checkpoint import CheckpointManager, CheckpointTarget
 from engine.trainer.console import say
@@ -68,10 +68,12 @@ class PPOComponents:
     checkpoints: CheckpointManager
     total_training_steps: int
     data_parallel_control_group: Any  # the data-parallel ranks on gloo (parallel.state.control_groups)
-    # The batch the servers generate while the trainer trains (trainer.max_staleness=1).
+    # The batches the servers generate while the trainer trains (trainer.max_staleness).
     rollout_ahead: RolloutAhead = field(default_factory=RolloutAhead)
     # Rollout servers restarted in this run, every rank's (rollout.max_server_restarts).
     server_restarts: int = 0
+    # The version of the weights the engine serves: the step that trains from them (hand_over_weights).
+    weight_version: int = 0
 
     @contextlib.contextmanager
     def trained_models_resident(self):
@@ -207,6 +209,7 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
                                       async_save=cfg.trainer.checkpoint.async_save),
         total_training_steps=total_steps,
         data_parallel_control_group=control_group_like(parallel_state.get_data_parallel_group()),
+        rollout_ahead=RolloutAhead(cfg.trainer.max_staleness, partial=cfg.actor_rollout_ref.rollout.partial_rollout),
     )
 
 
@@ -295,7 +298,8 @@ def _start_disaggregated_servers(cfg: ExperimentConfig, run: RunDirectory, pushe
     engine, addresses = None, [None]
     if dist.get_rank() == 0:
         engine = create_rollout_engine(rollout, model.path, replica_gpus=_server_gpus(rollout, servers),
-                                       extra_server_args=_server_metrics_args(cfg), **launch)
+                                       extra_server_args=_server_metrics_args(cfg) + partial_rollout_args(rollout),
+                                       **launch)
         _register_server_metrics(cfg, run, engine)
         addresses = [[f"{server.config.host}:{server.port}" for server in engine.servers]]
         say(f"[trident] {servers} rollout server(s) of their own: {', '.join(addresses[0])} (logs in {run.rollout_dir})")

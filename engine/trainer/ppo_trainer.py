@@ -7,6 +7,7 @@ advantages -> critic update -> actor update -> weight sync into the rollout engi
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -58,7 +59,7 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
     parts = build_components(cfg, run)
     with parts.trained_models_resident():
         step = resume_from_checkpoint(cfg, parts)
-    hand_over_weights(parts)  # the engine (started released) serves exactly the (possibly resumed) actor
+    hand_over_weights(parts, step + 1)  # the engine (started released) serves exactly the (possibly resumed) actor
     tracker = Tracker(trainer.logger, run=run, total_steps=parts.total_training_steps, start_step=step,
                       project=trainer.project_name, experiment=trainer.experiment_name,
                       config=OmegaConf.to_container(OmegaConf.structured(cfg)), prometheus_port=trainer.prometheus_port)
@@ -66,19 +67,18 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
     if parts.val_loader is not None and (trainer.val_only or (trainer.val_before_train and step == 0)):
         metrics = validate(cfg, parts)
         tracker.log(metrics, step)
-    batches = TrainingPrompts(parts.train_loader, ahead=trainer.max_staleness > 0)
+    batches = TrainingPrompts(parts.train_loader, ahead=trainer.max_staleness)
     hang_minutes = watchdog.timeout_minutes(trainer.hang_timeout_minutes, trainer.collective_timeout_minutes)
     with watchdog.watching(hang_minutes, run.stacks_dir, rank, dist.get_world_size()):
         while step < parts.total_training_steps and not trainer.val_only:
-            prompts, upcoming = batches.next()
+            prompts, upcoming = batches.next(steps_left=parts.total_training_steps - step)
             step += 1
             watchdog.at_step(step)
             kill_if_asked(rank, step)  # a failure test's lost rank (never set in production)
             parts.checkpoints.finalize()  # an asynchronous save whose writers are done becomes complete
             last = step == parts.total_training_steps
             with profiler.step(step):
-                metrics = ppo_iteration(cfg, parts, prompts, step, upcoming=None if last else upcoming,
-                                        more_prompts=batches.more)
+                metrics = ppo_iteration(cfg, parts, prompts, step, upcoming=upcoming, more_prompts=batches.more)
             if parts.val_loader is not None and trainer.test_freq > 0 and step % trainer.test_freq == 0:
                 metrics.update(validate(cfg, parts))
             tracker.log(metrics, step)
@@ -112,16 +112,17 @@ def export_actor(cfg: ExperimentConfig, parts: PPOComponents, run: RunDirectory)
 
 
 class TrainingPrompts:
-    """Endless training batches, epoch after epoch. ``next()`` gives a step's ``(prompts,
-    upcoming)``, ``upcoming`` being the batch after it when generating one step ahead (else None);
+    """Endless training batches, epoch after epoch. ``next(steps_left)`` gives a step's ``(prompts,
+    upcoming)``: ``upcoming`` are the batches newly drawn to generate ahead, so that ``ahead`` of
+    them (``trainer.max_staleness``), no more than the steps left after this one, are in flight.
     ``more()`` draws another batch for the same step (dynamic sampling). ``sampler_state`` is the
-    loader's position right after the step's last batch was drawn, which a checkpoint saves: a
-    batch still generating ahead is drawn again and regenerated after a resume."""
+    loader's position right after the step's own batches were drawn, which a checkpoint saves:
+    batches still generating ahead are drawn again and regenerated after a resume."""
 
-    def __init__(self, loader, ahead: bool) -> None:
+    def __init__(self, loader, ahead: int) -> None:
         self._stream = self._drawn(loader)
         self._ahead = ahead
-        self._upcoming = None
+        self._in_flight: collections.deque = collections.deque()  # (prompts, loader state after them)
         self.sampler_state: dict | None = None
 
     @staticmethod
@@ -130,23 +131,26 @@ class TrainingPrompts:
             for prompts in loader:
                 yield prompts, loader.state_dict()
 
-    def next(self):
-        (prompts, self.sampler_state), self._upcoming = (self._upcoming or next(self._stream),
-                                                         next(self._stream) if self._ahead else None)
-        return prompts, self._upcoming[0] if self._upcoming else None
+    def next(self, steps_left: int):
+        prompts, self.sampler_state = self._in_flight.popleft() if self._in_flight else next(self._stream)
+        upcoming = []
+        while len(self._in_flight) < min(self._ahead, steps_left - 1):
+            self._in_flight.append(next(self._stream))
+            upcoming.append(self._in_flight[-1][0])
+        return prompts, upcoming
 
     def more(self):
         if self._ahead:
-            raise RuntimeError("another batch for this step while the next one is generating ahead")
+            raise RuntimeError("another batch for this step while later ones are generating ahead")
         prompts, self.sampler_state = next(self._stream)
         return prompts
 
 
-def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: int, upcoming=None,
+def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: int, upcoming=(),
                   more_prompts: Callable[[], PromptBatch] | None = None) -> dict[str, float]:
-    """One PPO iteration on this rank's share of the global prompt batch; ``upcoming`` (one step
-    off-policy): the next batch, which the servers generate while this one trains; ``more_prompts``
-    draws another batch for dynamic sampling (``algorithm.filter_groups``).
+    """One PPO iteration on this rank's share of the global prompt batch; ``upcoming`` (off-policy,
+    ``trainer.max_staleness``): later batches for the servers to start generating while this one
+    trains; ``more_prompts`` draws another batch for dynamic sampling (``algorithm.filter_groups``).
 
     Memory choreography (colocated rollout, ``engine.rollout.memory``): the engine holds its
     weights, KV cache and CUDA graphs only to generate; it releases them before the training phases
@@ -160,8 +164,8 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
     temperature = sampling.log_prob_temperature  # the trainer's log-probs are the engine's distribution
     with phase("gen", metrics):
         generated = parts.rollout_ahead.take(parts, prompts.repeat_interleave(rollout.n), sampling, policy_version=step)
-        if upcoming is not None:
-            parts.rollout_ahead.start(parts, upcoming.repeat_interleave(rollout.n), sampling, policy_version=step)
+        for later in upcoming:
+            parts.rollout_ahead.start(parts, later.repeat_interleave(rollout.n), sampling, policy_version=step)
         # ReMax (Li et al. 2023): a greedy response per prompt, whose reward is the baseline.
         greedy = generate(parts, prompts, replace(sampling, temperature=0.0)) if algo.uses_greedy_baseline else None
     scored = None
@@ -171,7 +175,7 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
     with phase("gen", metrics):
         _release_engine_memory(parts, MEMORY_TAGS)
     batch, meta, rollout_log_probs = generated.batch, generated.meta, generated.log_probs
-    metrics.update(_staleness_metrics(generated, step))
+    metrics.update(_staleness_metrics(generated, step, cfg.trainer.max_staleness))
     metrics["rollout/server_restarts"] = parts.server_restarts
     if cfg.actor_rollout_ref.actor.use_rollout_log_probs:  # pi_old = the sampler's own log-probs, no recompute
         batch.old_log_probs, rollout_log_probs = rollout_log_probs, None
@@ -215,8 +219,10 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
             metrics.update(parts.actor.update_policy(actor_batch, temperature))
         metrics["perf/mfu/actor"] = _actor_update_mfu(cfg, parts, batch, metrics["timing_s/update_actor"])
     with phase("update_weights", metrics):  # every step: released weights must be pushed again
-        metrics["perf/wait_rollout_ahead_s"] = parts.rollout_ahead.wait_idle()  # the servers must be idle
-        sync = hand_over_weights(parts)  # hand back the cache, resume weights, push, resume KV cache + graphs
+        # The servers must not generate during the push: wait for them, or pause (partial rollouts).
+        metrics["perf/wait_rollout_ahead_s"] = parts.rollout_ahead.before_push(parts)
+        sync = hand_over_weights(parts, step + 1)  # hand back the cache, resume weights, push, resume KV cache + graphs
+        parts.rollout_ahead.after_push(parts)
     metrics["timing_s/step"] = time.perf_counter() - start  # phase() names its entries timing_s/<phase>
     metrics["perf/weight_sync_received_mb"] = sync.stats.bytes_received / 2**20  # this rank, in the engine's dtype
     metrics.update(_batch_metrics(batch, scores, rollout_log_probs, reward_metrics, rollout.n))
@@ -249,14 +255,18 @@ def _fill_with_groups_with_spread(cfg: ExperimentConfig, parts: PPOComponents, g
     return batch
 
 
-def hand_over_weights(parts: PPOComponents):
-    """The actor's weights into the engine, in the order colocated memory allows: every rank hands
-    its cached memory back, the engine takes its weights' memory back, the push (the cache handed
-    back after each bucket), then the engine's KV cache and CUDA graphs. Collective."""
+def hand_over_weights(parts: PPOComponents, version: int):
+    """The actor's weights into the engine, as policy ``version`` (the step that trains from them),
+    in the order colocated memory allows: every rank hands its cached memory back, the engine takes
+    its weights' memory back, the push (the cache handed back after each bucket), then the engine's
+    KV cache and CUDA graphs. Collective."""
     hand_back_cache("before the engine resumes")
     _resume_engine_memory(parts, (WEIGHTS,))
     with parts.actor.offloader.resident("params"):
         report = parts.weight_sync.sync(parts.engine)
+    parts.weight_version = version
+    if parts.engine is not None:
+        parts.engine.set_weight_version(version)  # the tokens sampled from now on carry it
     _resume_engine_memory(parts, (KV_CACHE, CUDA_GRAPH))
     restart_dead_servers(parts)  # a server found dead by these calls starts again (resident) and gets the weights
     return report
@@ -279,11 +289,26 @@ def _corrected_for_the_rollout_policy(batch: RolloutBatch, rollout_log_probs, al
     return replace(batch, advantages=batch.advantages * correction.weights, response_mask=correction.mask)
 
 
-def _staleness_metrics(generated, step: int) -> dict[str, float]:
-    """Which weights sampled the batch: ``rollout/policy_version`` (the step that trains from them)
-    and how many steps behind the trainer's they are; ``perf/rollout_generation_s`` is how long
-    the engine generated it (overlapped with the previous step's training when generated ahead)."""
-    return {"rollout/policy_version": generated.policy_version, "rollout/staleness": step - generated.policy_version,
+def _staleness_metrics(generated: Rollout, step: int, max_staleness: int) -> dict[str, float]:
+    """Which weights sampled the batch: ``rollout/policy_version`` (those its generation started
+    with), how many steps behind the trainer's its response tokens are (``rollout/staleness/mean``,
+    ``/max``; per token where the engine tags them), the share of responses with tokens of more
+    than one version (``rollout/partial/fraction``: continued after a weight push), and how long
+    the engine generated it (``perf/rollout_generation_s``; overlapped with training when ahead)."""
+    mask = generated.batch.response_mask.bool()
+    versions = generated.token_versions
+    if versions is None:
+        versions = torch.full(mask.shape, generated.policy_version, dtype=torch.long)
+    staleness = (step - versions)[mask].float()
+    if staleness.numel() and staleness.max() > max_staleness:  # the rollout queue holds only max_staleness batches
+        raise RuntimeError(f"a token sampled {int(staleness.max())} versions before step {step}: more than "
+                           f"trainer.max_staleness={max_staleness}")
+    lowest = torch.where(mask, versions, versions.max() + 1).amin(dim=1)
+    highest = torch.where(mask, versions, versions.min() - 1).amax(dim=1)
+    return {"rollout/policy_version": generated.policy_version,
+            "rollout/staleness/mean": staleness.mean().item() if staleness.numel() else 0.0,
+            "rollout/staleness/max": staleness.max().item() if staleness.numel() else 0.0,
+            "rollout/partial/fraction": (highest > lowest).float().mean().item(),
             "perf/rollout_generation_s": generated.generation_s}
 
 

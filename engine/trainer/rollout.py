@@ -22,6 +22,7 @@ resume have none in flight and generate on-policy).
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import threading
@@ -45,8 +46,11 @@ class Rollout:
     batch: RolloutBatch
     meta: dict[str, Any]  # per sequence: data_sources, ground_truths, extra_infos, messages, uids
     log_probs: torch.Tensor  # the engine's own log-probs of the sampled tokens, [B, response_length]
-    policy_version: int
+    policy_version: int  # the weights' version when its generation started
     generation_s: float  # how long the engine generated it (start to last response)
+    # [B, response_length] the version that sampled each token (-1 on padding), where the engine
+    # tags them (SGLang); with partial rollouts some are later than policy_version.
+    token_versions: torch.Tensor | None = None
 
     def select(self, rows: torch.Tensor) -> "Rollout":
         """The rows ``rows`` (indices, in that order)."""
@@ -55,7 +59,8 @@ class Rollout:
         index = rows.tolist()
         meta = {key: value[rows] if isinstance(value, torch.Tensor) else [value[i] for i in index]
                 for key, value in self.meta.items()}
-        return Rollout(batch, meta, self.log_probs[rows], self.policy_version, self.generation_s)
+        return Rollout(batch, meta, self.log_probs[rows], self.policy_version, self.generation_s,
+                       None if self.token_versions is None else self.token_versions[rows])
 
     @staticmethod
     def concat(rollouts: list["Rollout"], pad_id: int) -> "Rollout":
@@ -79,8 +84,10 @@ class Rollout:
             routed_experts=None if experts[0] is None else torch.cat([widened(e, -1) for e in experts]))
         meta = {key: torch.cat([r.meta[key] for r in rollouts]) if isinstance(value, torch.Tensor)
                 else [item for r in rollouts for item in r.meta[key]] for key, value in rollouts[0].meta.items()}
+        versions = [r.token_versions for r in rollouts]
         return Rollout(batch, meta, torch.cat([r.log_probs for r in rollouts]), rollouts[0].policy_version,
-                       sum(r.generation_s for r in rollouts))
+                       sum(r.generation_s for r in rollouts),
+                       None if any(v is None for v in versions) else torch.cat(versions))
 
 
 @dataclasses.dataclass
@@ -102,14 +109,15 @@ def generate(parts, prompts, params: SamplingParams, policy_version: int = 0) ->
 
 
 def _timed_generate(engine, prompts: list, params: SamplingParams) -> tuple[list, float]:
-    """(token ids, log-probs, routed experts) per prompt, None for one lost with a server that died;
-    and the seconds it took."""
+    """(token ids, log-probs, routed experts, token versions) per prompt, None for one lost with a
+    server that died; and the seconds it took."""
     start = time.perf_counter()
     try:
         samples = engine.generate(prompts, params)
     except RolloutServerDied as died:
         samples = [died.completed.get(i) for i in range(len(prompts))]
-    responses = [None if s is None else (s[0].token_ids, s[0].log_probs, s[0].routed_experts) for s in samples]
+    responses = [None if s is None else (s[0].token_ids, s[0].log_probs, s[0].routed_experts, s[0].policy_versions)
+                 for s in samples]
     return responses, time.perf_counter() - start
 
 
@@ -126,6 +134,8 @@ def restart_dead_servers(parts, lost: bool = False) -> bool:
             parts.engine.servers_restarted()
         with parts.actor.offloader.resident("params"):
             parts.weight_sync.sync(parts.engine)
+        if parts.engine is not None:
+            parts.engine.set_weight_version(parts.weight_version)
         say(f"[trident] {int(counts[0])} rollout server(s) died and were restarted with the current weights "
             f"({parts.server_restarts} restart(s) in this run; actor_rollout_ref.rollout.max_server_restarts)")
     return bool(counts.any())
@@ -207,44 +217,75 @@ def _finish(parts, pending: _Pending) -> Rollout:
                                         parts.tokenizer.pad_token_id or 0)
     meta = {key: merged[key] for key in ("data_sources", "ground_truths", "extra_infos", "messages")}
     meta["uids"] = torch.as_tensor(merged["uids"], dtype=torch.long)
-    return Rollout(batch, meta, log_probs, pending.policy_version, seconds)
+    return Rollout(batch, meta, log_probs, pending.policy_version, seconds,
+                   token_versions(merged["responses"], pending.params.max_new_tokens))
 
 
 class RolloutAhead:
-    """At most one batch generating in the background on servers of their own (one step off-policy)."""
+    """Up to ``depth`` batches generating in the background on servers of their own
+    (``trainer.max_staleness``), oldest first. Before a weight push the servers must not generate
+    with half-pushed weights: ``before_push`` waits for the batches in flight to finish or, with
+    ``partial`` (``rollout.partial_rollout``), pauses them in place; ``after_push`` lets them go on
+    with the new weights."""
 
-    def __init__(self) -> None:
-        self._pending: _Pending | None = None
+    def __init__(self, depth: int = 0, partial: bool = False) -> None:
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self.depth, self.partial = depth, partial
+        self._paused = False
 
     def take(self, parts, prompts, params: SamplingParams, policy_version: int) -> Rollout:
-        """The rollout of ``prompts``: the one generating in the background, else generated now."""
-        if self._pending is None:
+        """The rollout of ``prompts``: the oldest one generating in the background, else generated now."""
+        if not self._pending:
             return generate(parts, prompts, params, policy_version)
-        pending, self._pending = self._pending, None
+        pending = self._pending.popleft()
         if pending.local_uids != prompts.prompt_uids.tolist():
             raise RuntimeError("the rollout generated ahead is not the batch the loop trains on next")
         return _finish(parts, pending)
 
     def start(self, parts, prompts, params: SamplingParams, policy_version: int) -> None:
         """Send ``prompts`` to the servers and return; collective (the prompts are gathered)."""
-        if self._pending is not None:
-            raise RuntimeError("a rollout is already generating ahead (trainer.max_staleness is at most 1)")
-        self._pending = _start(parts, prompts, params, policy_version, background=True)
+        if len(self._pending) >= self.depth:
+            raise RuntimeError(f"{len(self._pending)} rollouts are already generating ahead "
+                               f"(trainer.max_staleness={self.depth})")
+        self._pending.append(_start(parts, prompts, params, policy_version, background=True))
 
-    def wait_idle(self) -> float:
-        """Block until the servers have finished the batch generating ahead (before a weight push);
-        the seconds waited (0 off rank 0, or with nothing generating)."""
-        if self._pending is None or self._pending.future is None:
+    def before_push(self, parts) -> float:
+        """Make the servers idle for a weight push: wait for the batches in flight (the seconds
+        waited; 0 off rank 0 or with nothing in flight) or, partial, pause them in place (0)."""
+        running = [p.future for p in self._pending if p.future is not None and not p.future.done()]
+        if not running:
+            return 0.0
+        if self.partial:
+            parts.engine.pause_generation("in_place")  # requests keep their KV cache and wait
+            self._paused = True
             return 0.0
         start = time.perf_counter()
-        concurrent.futures.wait([self._pending.future])
+        concurrent.futures.wait(running)
         return time.perf_counter() - start
+
+    def after_push(self, parts) -> None:
+        """The generations paused for the push continue, with the new weights."""
+        if self._paused:
+            parts.engine.continue_generation()
+            self._paused = False
+
+
+def token_versions(responses, response_length: int) -> torch.Tensor | None:
+    """``[B, response_length]`` the weight version of each response token (-1 on padding), or None
+    where the engine did not tag every response."""
+    if any(versions is None for *_, versions in responses):
+        return None
+    out = torch.full((len(responses), response_length), -1, dtype=torch.long)
+    for row, (*_, versions) in enumerate(responses):
+        out[row, :len(versions)] = torch.as_tensor(versions, dtype=torch.long)
+    return out
 
 
 def to_rollout_batch(prompts, responses, response_length: int, pad_id: int):
     """Left-padded prompts and right-padded responses as one ``RolloutBatch`` (with the experts each
     token was routed to, where the engine reported them), and the engine's log-probs in the
-    response layout (0 on padding). ``responses``: (token ids, log-probs, routed experts or None)."""
+    response layout (0 on padding). ``responses``: (token ids, log-probs, routed experts or None,
+    token versions or None)."""
     prompt_length = max(len(p) for p in prompts)
     rows = len(prompts)
     input_ids = torch.full((rows, prompt_length + response_length), pad_id, dtype=torch.long)
@@ -252,10 +293,10 @@ def to_rollout_batch(prompts, responses, response_length: int, pad_id: int):
     response_mask = torch.zeros(rows, response_length)
     rollout_log_probs = torch.zeros(rows, response_length)
     routed_experts = None
-    reported = next((routed for _, _, routed in responses if routed is not None), None)
+    reported = next((routed for _, _, routed, _ in responses if routed is not None), None)
     if reported is not None:
         routed_experts = torch.full((*input_ids.shape, *reported.shape[1:]), -1, dtype=torch.int16)
-    for i, (prompt, (tokens, log_probs, routed)) in enumerate(zip(prompts, responses)):
+    for i, (prompt, (tokens, log_probs, routed, _)) in enumerate(zip(prompts, responses)):
         start = prompt_length - len(prompt)
         input_ids[i, start:prompt_length] = torch.as_tensor(prompt)
         attention_mask[i, start:prompt_length + len(tokens)] = 1

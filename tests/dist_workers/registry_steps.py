@@ -43,7 +43,7 @@ def main() -> None:
     def build(estimator: str):
         cfg = load_config("yaml/demo_cpu.yaml", [*overrides, f"algorithm.adv_estimator={estimator}"], world_size=1)
         parts = build_components(cfg, RunDirectory.create(run_dir))
-        hand_over_weights(parts)  # the engine starts released (engine/trainer/components.py)
+        hand_over_weights(parts, 1)  # the engine starts released (engine/trainer/components.py)
         return cfg, parts, iter(parts.train_loader)
 
     cfg = load_config("yaml/demo_cpu.yaml", overrides, world_size=1)

@@ -39,8 +39,8 @@ def policy_batch(tokenizer):
                for m, _ in CONVERSATIONS]
     responses = [(tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id], None)
                  for _, r in CONVERSATIONS]
-    responses = [(ids, [0.0] * len(ids), None) for ids, _ in responses]
-    batch, _ = to_rollout_batch(prompts, responses, max(len(ids) for ids, _, _ in responses), tokenizer.pad_token_id)
+    responses = [(ids, [0.0] * len(ids), None, None) for ids, _ in responses]
+    batch, _ = to_rollout_batch(prompts, responses, max(len(ids) for ids, *_ in responses), tokenizer.pad_token_id)
     return batch
 
 

@@ -45,7 +45,7 @@ def main() -> None:
     rows = []
     try:
         parts = build_components(cfg, RunDirectory.create(run_dir))
-        hand_over_weights(parts)
+        hand_over_weights(parts, 1)
         for router in (m for m in parts.engine.model.modules() if type(m).__name__.endswith("TopKRouter")):
             router.register_forward_hook(swap_some_experts)
         batches = iter(parts.train_loader)
