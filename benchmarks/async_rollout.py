@@ -1,16 +1,22 @@
-"""Colocated vs disaggregated rollout, on-policy and one step off-policy, on one workload.
+"""Colocated vs disaggregated rollout, on-policy, off-policy and with partial rollouts, on one workload.
 
     python -m benchmarks.async_rollout --out DIR [--steps 8] [--warmup 2] [--prompts 64] [--response 32]
-                                       [--trainer-cpus 0] [--server-cpus 1]
+                                       [--trainer-cpus 0] [--server-cpus 1] [--workload demo|long_tail]
 
-Three real PPO jobs (one trainer rank and SGLang on the demo model), run one after the other:
+Real PPO jobs (one trainer rank and SGLang), run one after the other. ``--workload demo``: the demo
+model on its prompts (every response 3-5 tokens). ``long_tail``: a random 2-layer Llama of the demo's
+character vocabulary on the same prompts, whose responses end at a random EOS (about one token in
+40), so their lengths fall off geometrically up to ``--response``: most batches wait on a few long
+responses, the case partial rollouts are for. The cases:
 
 - ``colocated``: the engine shares the trainer's devices; generation and training take turns, each
   with every core (``--trainer-cpus`` and ``--server-cpus`` together);
 - ``disaggregated``: a server of its own (``rollout.mode=disaggregated``), on-policy: the trainer
   waits while the server generates and the server waits while the trainer trains;
 - ``off_policy``: the same with ``trainer.max_staleness=1``: the server generates batch k + 1 while
-  the trainer trains on batch k.
+  the trainer trains on batch k;
+- ``partial``: the same with ``rollout.partial_rollout=true``: the weight push pauses the batch
+  still generating instead of waiting for it, and it continues with the new weights.
 
 On a machine without GPUs the sides are CPU cores: the trainer runs under ``taskset`` on
 ``--trainer-cpus`` and every thread of the server's processes is pinned to ``--server-cpus`` (the
@@ -27,6 +33,7 @@ would be the longer of the two, so ``achieved = (on_policy_step - off_policy_ste
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -37,7 +44,7 @@ import time
 import uuid
 from pathlib import Path
 
-from benchmarks.suite import REPO_ROOT, Case, machine_info, prepare_workload, trident_command
+from benchmarks.suite import REPO_ROOT, Case, Workload, machine_info, prepare_workload, trident_command
 from engine.rollout.sglang_server import SERVER_MODULE
 
 MARKER = "TRIDENT_ASYNC_ROLLOUT_JOB"
@@ -46,7 +53,12 @@ CASES = {
     "colocated": (),
     "disaggregated": DISAGGREGATED,
     "off_policy": (*DISAGGREGATED, "trainer.max_staleness=1"),
+    "partial": (*DISAGGREGATED, "trainer.max_staleness=1", "actor_rollout_ref.rollout.partial_rollout=true"),
 }
+# The long-tail workload's random model: the demo's vocabulary, so the demo's prompts fit it.
+LONG_TAIL_MODEL = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                       tie_word_embeddings=False)
 
 
 def _job_processes(marker: str) -> list[int]:
@@ -77,11 +89,25 @@ def _pin_servers(marker: str, cpus: set[int], stop: threading.Event, pinned: set
                 continue
 
 
+def workload(case: Case, kind: str, work: Path) -> Workload:
+    """The demo's workload, or for ``long_tail`` the same prompts on a random model (built once)."""
+    demo = prepare_workload(case, work)
+    if kind == "demo":
+        return demo
+    from engine.models.char_tokenizer import build_char_tokenizer
+    from launch.rehearse import write_tiny_model
+
+    model_dir = work / "model-long-tail"
+    if not (model_dir / "config.json").exists():
+        write_tiny_model({**LONG_TAIL_MODEL, "vocab_size": len(build_char_tokenizer())}, model_dir)
+    return dataclasses.replace(demo, model_dir=model_dir)
+
+
 def run(name: str, overrides: tuple[str, ...], args, work: Path) -> dict:
     case = Case(name, "trident", rollout="sglang", prompts=args.prompts, response=args.response,
                 overrides=("actor_rollout_ref.rollout.gpu_memory_utilization=0.05", *overrides))
     run_dir = work / name
-    command = trident_command(case, prepare_workload(case, work), args.steps, run_dir)
+    command = trident_command(case, workload(case, args.workload, work), args.steps, run_dir)
     marker = uuid.uuid4().hex
     disaggregated = name != "colocated"
     trainer_cpus = set(args.trainer_cpus) if disaggregated else set(args.trainer_cpus) | set(args.server_cpus)
@@ -119,7 +145,10 @@ def run(name: str, overrides: tuple[str, ...], args, work: Path) -> dict:
         "step_s": step_s, "generation_s": generation_s,
         "trainer_idle_s": median(row["timing_s/gen"] + row["perf/wait_rollout_ahead_s"] for row in timed),
         "server_idle_s": max(0.0, step_s - generation_s),
-        "staleness": [row["rollout/staleness/max"] for row in timed], "steps": rows,
+        "response_length_max": median(row["response_length/max"] for row in timed),
+        "response_length_mean": median(row["response_length/mean"] for row in timed),
+        "staleness": [row["rollout/staleness/max"] for row in timed],
+        "partial_fraction": [row["rollout/partial/fraction"] for row in timed], "steps": rows,
     }
 
 
@@ -140,18 +169,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--response", type=int, default=32)
     parser.add_argument("--trainer-cpus", type=int, nargs="+", default=[0])
     parser.add_argument("--server-cpus", type=int, nargs="+", default=[1])
+    parser.add_argument("--workload", choices=("demo", "long_tail"), default="demo")
     args = parser.parse_args(argv)
     if set(args.trainer_cpus) & set(args.server_cpus):
         parser.error("--trainer-cpus and --server-cpus must not share a core")
     args.out.mkdir(parents=True, exist_ok=True)
     results = {name: run(name, overrides, args, args.out) for name, overrides in CASES.items()}
     report = {"machine": machine_info(), "settings": {k: v for k, v in vars(args).items() if k != "out"} | {"out": str(args.out)},
-              "cases": results, "overlap": overlap(results["disaggregated"], results["off_policy"])}
+              "cases": results, "overlap": overlap(results["disaggregated"], results["off_policy"]),
+              "partial_overlap": overlap(results["disaggregated"], results["partial"])}
     (args.out / "async_rollout.json").write_text(json.dumps(report, indent=1))
-    print(f"{'case':<14} {'tokens/s':>9} {'step s':>7} {'gen s':>6} {'trainer idle s':>15} {'server idle s':>14}")
+    print(f"{'case':<14} {'tokens/s':>9} {'step s':>7} {'gen s':>6} {'trainer idle s':>15} {'server idle s':>14} "
+          f"{'partial':>8}")
     for name, result in results.items():
         print(f"{name:<14} {result['tokens_per_s']:>9.1f} {result['step_s']:>7.3f} {result['generation_s']:>6.3f} "
-              f"{result['trainer_idle_s']:>15.3f} {result['server_idle_s']:>14.3f}")
+              f"{result['trainer_idle_s']:>15.3f} {result['server_idle_s']:>14.3f} "
+              f"{statistics.mean(result['partial_fraction']):>8.2f}")
     achieved = report["overlap"]["achieved"]
     print(f"overlap: off-policy step {report['overlap']['off_policy_step_s']:.3f} s, ideal "
           f"{report['overlap']['ideal_step_s']:.3f} s, on-policy {report['overlap']['on_policy_step_s']:.3f} s: "

@@ -453,8 +453,10 @@ class RolloutMemoryConfig:
     graphs are released during the training phases (the memory saver's three tags) and the weights
     come back from the actor through the HybridEngine; the engine's CUDA context stays. ``in_process``
     is an engine inside each trainer process (HF generate): one full weight copy per rank and a KV
-    cache for that rank's sequences, no memory fraction, no process of its own. (Servers on devices
-    of their own are not planned here.)
+    cache for that rank's sequences, no memory fraction, no process of its own. ``server_gpus`` > 0
+    is ``rollout.mode=disaggregated``: servers on GPUs of their own, none of it on the training
+    GPUs, each server's pool the fraction of a whole GPU; ``batches_in_flight`` are generating at
+    once (``trainer.max_staleness`` of them ahead).
     """
 
     tensor_model_parallel_size: int
@@ -466,9 +468,16 @@ class RolloutMemoryConfig:
     update_weights_bucket_megabytes: float = 512.0
     pipeline_model_parallel_size: int = 1
     in_process: bool = False
+    server_gpus: int = 0
+    batches_in_flight: int = 1
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.server_gpus > 0
 
     def replicas(self, world_size: int) -> int:
-        return world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+        gpus = self.server_gpus or world_size
+        return gpus // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -633,10 +642,13 @@ def estimate_memory(
     sync = hybrid_engine_sync(actor.architecture, actor.layout, world_size, rollout)
     per_token = kv_cache_bytes_per_token(actor.architecture, rollout.tensor_model_parallel_size, rollout.kv_cache_dtype_bytes)
     replicas = rollout.replicas(world_size)
-    sequences_per_replica = math.ceil(rollout.sequences_per_step / replicas)
+    sequences_per_replica = math.ceil(rollout.sequences_per_step * rollout.batches_in_flight / replicas)
     if rollout.in_process:
         engine_pool = sync.engine_shard_bytes + per_token * rollout.sequence_length * sequences_per_replica
         free_at_engine_start = gpu_memory_bytes - context_bytes
+    elif rollout.disaggregated:  # a server's GPU holds its process alone
+        free_at_engine_start = gpu_memory_bytes - context_bytes
+        engine_pool = sglang_static_pool_bytes(free_at_engine_start, rollout.gpu_memory_utilization)
     else:  # the engine starts before any training model: only the two processes' contexts are taken
         free_at_engine_start = gpu_memory_bytes - 2 * context_bytes
         engine_pool = sglang_static_pool_bytes(free_at_engine_start, rollout.gpu_memory_utilization)
@@ -653,18 +665,28 @@ def estimate_memory(
             if model.role == active_role:
                 kind = "train" if phase in train_phase_role else "forward"
             items.update(_model_items(model, phase, kind))
-        if phase == "rollout":
+        if phase == "rollout" and not rollout.disaggregated:
             items["rollout/weights+kv_cache"] = engine_pool
             if not rollout.in_process and cuda_graph_bytes:
                 items["rollout/cuda_graphs"] = cuda_graph_bytes
+        elif phase == "weight_sync" and rollout.disaggregated:
+            # the sender gathers its stage's whole tensors a bucket at a time: one packed, one broadcast
+            items["rollout/sync_buckets"] = 2 * min(sync.bucket_bytes, sync.model_bytes)
         elif phase == "weight_sync":
             items["rollout/weights"] = sync.engine_shard_bytes
             # one bucket being packed from the training shards, one handed to the engine
             items["rollout/sync_buckets"] = 2 * min(sync.bucket_bytes, sync.engine_shard_bytes)
         if context_bytes:
-            items["cuda_contexts"] = context_bytes * (1 if rollout.in_process else 2)
+            items["cuda_contexts"] = context_bytes * (1 if rollout.in_process or rollout.disaggregated else 2)
         items["reserved"] = reserved_bytes
         phases.append(PhaseEstimate(phase, items, gpu_memory_bytes))
+    if rollout.disaggregated:  # a server's GPU: its pool (weights + KV cache), graphs and context
+        server = {"rollout/weights+kv_cache": engine_pool, "reserved": reserved_bytes}
+        if cuda_graph_bytes:
+            server["rollout/cuda_graphs"] = cuda_graph_bytes
+        if context_bytes:
+            server["cuda_contexts"] = context_bytes
+        phases.append(PhaseEstimate("server", server, gpu_memory_bytes))
 
     problems = [
         f"phase {estimate.phase!r} needs {estimate.total_bytes / GIB:.1f} GiB per GPU but the GPU has "

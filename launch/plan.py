@@ -218,10 +218,10 @@ def memory_inputs(config: ExperimentConfig, world_size: int) -> tuple[list[Model
     """
     arr = config.actor_rollout_ref
     actor, rollout = arr.actor, arr.rollout
-    if rollout.mode != "colocated":
-        raise PlanError(f"actor_rollout_ref.rollout.mode={rollout.mode}: the planner models colocated rollout only "
-                        f"(servers on GPUs of their own are not estimated yet)")
-    training_world = world_size  # colocated: the engine shares every training GPU
+    if rollout.server_addresses:
+        raise PlanError("actor_rollout_ref.rollout.server_addresses: servers on nodes of their own are not planned "
+                        "(plan them with rollout.num_gpus on the trainer's node, the same per-GPU figures)")
+    training_world = world_size  # the trainer's ranks (servers of their own come on top)
     architecture, source = resolve_architecture(arr.model.path, "actor_rollout_ref.model.path")
     _check_split(architecture, actor.megatron, "actor_rollout_ref.actor.megatron")
     actor_layout, actor_dp = _layout_and_dp(actor.megatron, training_world)
@@ -286,6 +286,8 @@ def memory_inputs(config: ExperimentConfig, world_size: int) -> tuple[list[Model
         # The torch engine is HF generate inside each trainer process: one full copy per rank and
         # a KV cache for that rank's prompts, no memory fraction of its own.
         in_process=rollout.name == "torch",
+        server_gpus=rollout.num_gpus if rollout.mode == "disaggregated" else 0,
+        batches_in_flight=max(1, config.trainer.max_staleness),
     )
     return models, rollout_config, source
 
@@ -320,7 +322,8 @@ def make_plan(
         yaml_path=str(yaml_path), nodes=config.trainer.nnodes, gpus_per_node=config.trainer.n_gpus_per_node,
         gpu_memory_gib=gpu_memory_gib, world_size=world, architecture_source=source,
         parameters=full_model_parameters(models[0].architecture), models=models, rollout=rollout, memory=memory,
-        loop_sync_received_bytes=max(weight_sync_received_bytes(
+        # Servers of their own: every server GPU receives every tensor of the broadcast.
+        loop_sync_received_bytes=int(memory.sync.model_bytes) if rollout.disaggregated else max(weight_sync_received_bytes(
             models[0].architecture, models[0].layout, world, config.actor_rollout_ref.rollout.tensor_model_parallel_size,
             config.actor_rollout_ref.rollout.dtype).values()),
     )
@@ -386,15 +389,20 @@ def summary_lines(report: PlanReport) -> list[str]:
     lines.append(
         f"rollout: TP{rollout.tensor_model_parallel_size}, {replicas} replica(s), "
         + ("in-process engine" if rollout.in_process else f"gpu_memory_utilization {rollout.gpu_memory_utilization:g}")
-        + ", colocated"
+        + (f", disaggregated on {rollout.server_gpus} GPUs of their own (column 'server'), "
+           f"{rollout.batches_in_flight} batch(es) in flight" if rollout.disaggregated else ", colocated")
     )
     lines.append(
         f"KV cache: {memory.kv_cache_bytes_per_token / 1024:.1f} KiB/token/GPU, {memory.kv_cache_bytes / GIB:.1f} GiB "
         f"-> {memory.max_concurrent_sequences} concurrent {rollout.sequence_length}-token sequences per replica "
-        f"for {memory.sequences_per_replica} per step"
+        f"for {memory.sequences_per_replica} " + ("in flight" if rollout.disaggregated else "per step")
         + (f" ({math.ceil(memory.sequences_per_replica / memory.max_concurrent_sequences)} waves)"
            if 0 < memory.max_concurrent_sequences < memory.sequences_per_replica else "")
     )
+    if rollout.disaggregated:
+        lines.append(f"weight sync: every server GPU receives the whole model, {report.loop_sync_received_bytes / GIB:.2f} "
+                     f"GiB per step, broadcast in buckets of {sync.bucket_bytes / 2**20:g} MiB")
+        return lines
     lines.append(
         f"weight sync per GPU: {report.loop_sync_received_bytes / GIB:.2f} GiB received by the loop (whole tensors on "
         f"every generation rank); {sync.received_bytes / GIB:.2f} GiB would be HybridFlow's bound (each rank its "

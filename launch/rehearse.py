@@ -296,6 +296,16 @@ def plan_rehearsal(yaml_path: str, base_overrides: Sequence[str], config: Experi
                 "the tiny model still travels in several buckets")
     if config.reward_model.num_workers > 1:
         changes.set("reward_model.num_workers", 1, "one Ray reward worker on 2 cores")
+    if arr.rollout.mode == "disaggregated" and not arr.rollout.server_addresses:
+        changes.set("actor_rollout_ref.rollout.num_gpus", rollout_tp, "one server of the generation TP, on this CPU")
+    overlong = config.reward_model.overlong_buffer
+    if overlong.enable:
+        changes.set("reward_model.overlong_buffer.len",
+                    max(1, round(overlong.len * response / config.data.max_response_length)),
+                    "the penalised tail scaled with the response length")
+    if config.algorithm.filter_groups.enable and config.algorithm.filter_groups.metric != "score":
+        changes.set("algorithm.filter_groups.metric", "score",
+                    "the random model answers nothing right, so groups differ only in their length penalty")
     if arr.actor.use_rollout_log_probs and arr.rollout.name == "torch":
         changes.set("actor_rollout_ref.rollout.check_weight_sync", True,
                     "pi_old is the engine's own log-probs, so nothing is recomputed to compare them with: the "
@@ -377,6 +387,8 @@ def check_run(run_dir: Path, steps: int, config: ExperimentConfig) -> dict[str, 
             if config.actor_rollout_ref.actor.use_rollout_log_probs:
                 continue  # pi_old is the engine's own: nothing recomputed to compare (see plan_rehearsal)
             raise RehearsalError(f"step {row['step']}: no rollout/log_prob_abs_diff was logged")
+        if row.get("rollout/staleness/max", 0) > 0:
+            continue  # off-policy (trainer.max_staleness): sampled by earlier weights, nothing to compare
         if not gap <= tolerance:
             raise RehearsalError(f"step {row['step']}: the rollout engine's log-probs differ from the trainer's by "
                                  f"{gap:.3g} per token, over the {tolerance} expected at this precision")

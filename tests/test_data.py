@@ -290,36 +290,36 @@ def test_validation_loader_covers_every_prompt_once_with_uneven_ranks(tmp_path):
 
 @pytest.mark.parametrize("ahead", [0, 1, 2])
 def test_training_batches_resume_at_the_batch_after_the_saved_step(tmp_path, ahead):
-    """Off-policy (``ahead`` steps) draws the next batches early; the state a checkpoint saves is the one after
-    the step's own batches, so a resumed run draws (and regenerates) the batch that was in flight.
-    Dynamic sampling draws more batches within a step (``more``); the saved state follows them."""
+    """Off-policy (``ahead`` steps) draws the next batches early; the state a checkpoint saves is the
+    one after the step's own batches, so a resumed run draws (and regenerates) the batches that were
+    in flight. Dynamic sampling takes more batches within a step (``more``): the next in order (the
+    oldest in flight), each drawing one more to generate; the saved state follows them."""
     from engine.trainer.ppo_trainer import TrainingPrompts
 
     path = _write(tmp_path / "train.parquet", _rows(QUESTIONS + ["sixth?"]))
     config = DataConfig(train_files=[str(path)], train_batch_size=2, max_prompt_length=512)
     dataset = PromptDataset.from_config(config, build_chat_tokenizer())
     stream = TrainingPrompts(PromptDataLoader.for_training(dataset, config), ahead=ahead)
-    steps = []
+    steps, started = [], []
     for step in range(7):  # 3 batches per epoch: crosses two epoch ends
         prompts, upcoming = stream.next(steps_left=7 - step)
-        extra = [stream.more()] if not ahead and step == 1 else []  # step 2 draws a second batch
-        steps.append((prompts, upcoming, stream.sampler_state, extra))
-    uids = [prompts.prompt_uids.tolist() for prompts, _, _, _ in steps]
-    drawn = [uid for prompts, _, _, extra in steps for batch in [prompts, *extra] for uid in batch.prompt_uids.tolist()]
-    assert len(set(drawn)) == len(drawn) == (14 if ahead else 16)
-    if ahead:  # the first step starts `ahead` batches, later ones one each, none past the last step
-        started = [[batch.prompt_uids.tolist() for batch in upcoming] for _, upcoming, _, _ in steps]
-        assert [len(batches) for batches in started] == [ahead] + [1] * (6 - ahead) + [0] * ahead
-        assert [uid for batches in started for uid in batches] == uids[1:]
-        with pytest.raises(RuntimeError, match="generating ahead"):
-            stream.more()
-    else:
-        assert all(upcoming == [] for _, upcoming, _, _ in steps)
+        extra = []
+        if step == 1:  # step 2 takes a second batch
+            second, more = stream.more()
+            extra, upcoming = [second], upcoming + more
+        started.append([batch.prompt_uids.tolist() for batch in upcoming])
+        steps.append((prompts, stream.sampler_state, extra))
+    taken = [batch.prompt_uids.tolist() for prompts, _, extra in steps for batch in [prompts, *extra]]
+    assert len({uid for batch in taken for uid in batch}) == 16  # every batch once, in order
+    # The first step starts `ahead` batches, later ones one per batch taken, none past the last step.
+    assert [len(batches) for batches in started] == ([0] * 7 if not ahead else [ahead, 2] + [1] * (5 - ahead) + [0] * ahead)
+    in_order = [batch for batches in started for batch in batches]
+    assert in_order == taken[1:1 + len(in_order)]
     for saved_step in (1, 2, 3, 4):
         resumed = PromptDataLoader.for_training(dataset, config)
-        resumed.load_state_dict(steps[saved_step - 1][2])
+        resumed.load_state_dict(steps[saved_step - 1][1])
         again = TrainingPrompts(resumed, ahead=ahead)
-        later = [batch.prompt_uids.tolist() for prompts, _, _, extra in steps[saved_step:] for batch in [prompts, *extra]]
+        later = [batch.prompt_uids.tolist() for prompts, _, extra in steps[saved_step:] for batch in [prompts, *extra]]
         assert [again.next(len(later) - i)[0].prompt_uids.tolist() for i in range(len(later))] == later
 
 

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.plan import main, make_plan
+from launch.memory_model import GIB
+from launch.plan import CUDA_CONTEXT_GIB, main, make_plan
 
 REPO = Path(__file__).resolve().parent.parent
 EXPERIMENTS = sorted(str(path.relative_to(REPO)) for path in (REPO / "yaml").glob("*.yaml"))
@@ -143,11 +144,38 @@ def test_moe_models_are_planned_with_their_experts_split_over_expert_parallel_ra
         4 * 16 * 3 * 512 * 256
 
 
-def test_disaggregated_rollout_is_not_estimated(capsys):
-    status = main(["yaml/qwen2.5-7b_gsm8k.yaml", "actor_rollout_ref.rollout.mode=disaggregated",
-                   "actor_rollout_ref.rollout.num_gpus=2"])
-    err = capsys.readouterr().err
-    assert status == 2 and "the planner models colocated rollout only" in err
+def test_disaggregated_rollout_plans_the_servers_gpus_apart_from_the_trainers(capsys):
+    """Servers of their own: no engine memory on a training GPU in any phase (only the sender's two
+    buckets in the sync), a 'server' column with the pool SGLang takes of a whole GPU, replicas and
+    KV demand counted on the servers' GPUs with every batch in flight, and every server GPU receiving
+    the whole model in a sync."""
+    from launch.memory_model import sglang_static_pool_bytes
+
+    colocated = make_plan("yaml/qwen2.5-7b_gsm8k.yaml")
+    report = make_plan("yaml/qwen2.5-7b_gsm8k.yaml", ["actor_rollout_ref.rollout.mode=disaggregated",
+                                                      "actor_rollout_ref.rollout.num_gpus=8", "trainer.max_staleness=2",
+                                                      "actor_rollout_ref.rollout.check_weight_sync=false"])
+    phases = {phase.phase: phase for phase in report.memory.phases}
+    for name, phase in phases.items():
+        engine = {key for key in phase.items if key.startswith("rollout/")}
+        if name == "server":
+            assert phase.items["rollout/weights+kv_cache"] == sglang_static_pool_bytes(
+                report.gpu_memory_gib * GIB - CUDA_CONTEXT_GIB * GIB, report.rollout.gpu_memory_utilization)
+            assert not any(key.startswith(("actor/", "critic/", "ref/")) for key in phase.items)
+        elif name == "weight_sync":
+            assert engine == {"rollout/sync_buckets"}
+        else:
+            assert not engine, (name, engine)
+    # The training phases are the colocated plan's less the engine and its CUDA context.
+    update = {phase.phase: phase for phase in colocated.memory.phases}["update_actor"]
+    assert phases["update_actor"].total_bytes == pytest.approx(update.total_bytes - CUDA_CONTEXT_GIB * GIB)
+    rollout_tp = report.rollout.tensor_model_parallel_size
+    assert report.rollout.replicas(report.world_size) == 8 // rollout_tp
+    assert report.memory.sequences_per_replica == report.rollout.sequences_per_step * 2 // (8 // rollout_tp)
+    assert report.loop_sync_received_bytes == int(report.memory.sync.model_bytes)
+    assert main(["yaml/qwen2.5-7b_gsm8k.yaml", "actor_rollout_ref.rollout.mode=disaggregated",
+                 "actor_rollout_ref.rollout.server_addresses=[h:1]", "actor_rollout_ref.rollout.num_gpus=0"]) == 2
+    assert "servers on nodes of their own are not planned" in capsys.readouterr().err
 
 
 def test_config_json_beats_the_table(tmp_path, capsys):

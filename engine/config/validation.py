@@ -703,9 +703,6 @@ def _check_dapo(config: ExperimentConfig) -> None:
              f">= 2 with {key}=true: a group of one response never has a spread, so every group would be dropped")
     _require(not config.algorithm.uses_greedy_baseline, key, True,
              "false with algorithm.adv_estimator=remax (dynamic sampling with its greedy baselines is not built)")
-    _require(config.trainer.max_staleness == 0, key, True,
-             f"false with trainer.max_staleness={config.trainer.max_staleness}: dynamic sampling with rollouts "
-             f"generated ahead is not built")
     _require(not (config.reward_model.enable and rollout.mode == "colocated"), key, True,
              f"false with reward_model.enable=true and {ROLLOUT}.mode=colocated: the rounds of generation keep the "
              f"engine's memory resident, and the reward model's forward would peak with it (not built; use "

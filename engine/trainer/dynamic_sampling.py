@@ -1,6 +1,6 @@
 """DAPO's dynamic sampling (``algorithm.filter_groups``): generate and score rounds of
-``data.train_batch_size`` prompts until that many prompt groups with a spread of ``metric`` exist,
-and train on exactly that many (verl's ``recipe/dapo`` trainer does the same on its driver; here
+``data.train_batch_size`` prompts (off-policy: the batches generating ahead, in order) until that
+many prompt groups with a spread of ``metric`` exist, and train on exactly that many (verl's ``recipe/dapo`` trainer does the same on its driver; here
 every rank holds the same scored global batch, so every rank keeps the same groups with no
 communication).
 

@@ -115,14 +115,16 @@ class TrainingPrompts:
     """Endless training batches, epoch after epoch. ``next(steps_left)`` gives a step's ``(prompts,
     upcoming)``: ``upcoming`` are the batches newly drawn to generate ahead, so that ``ahead`` of
     them (``trainer.max_staleness``), no more than the steps left after this one, are in flight.
-    ``more()`` draws another batch for the same step (dynamic sampling). ``sampler_state`` is the
-    loader's position right after the step's own batches were drawn, which a checkpoint saves:
-    batches still generating ahead are drawn again and regenerated after a resume."""
+    ``more()`` takes another batch, with the same upcoming ones, for the same step (dynamic
+    sampling). ``sampler_state`` is the loader's position right after the step's own batches were
+    drawn, which a checkpoint saves: batches still generating ahead are drawn again and regenerated
+    after a resume."""
 
     def __init__(self, loader, ahead: int) -> None:
         self._stream = self._drawn(loader)
         self._ahead = ahead
         self._in_flight: collections.deque = collections.deque()  # (prompts, loader state after them)
+        self._steps_left = 1  # of the run, counting the current step
         self.sampler_state: dict | None = None
 
     @staticmethod
@@ -132,25 +134,26 @@ class TrainingPrompts:
                 yield prompts, loader.state_dict()
 
     def next(self, steps_left: int):
+        self._steps_left = steps_left
+        return self.more()
+
+    def more(self):
+        """The next batch in order (the oldest in flight, if any) and the batches newly drawn to
+        keep ``ahead`` in flight, none for after the last step; ``next`` without a new step."""
         prompts, self.sampler_state = self._in_flight.popleft() if self._in_flight else next(self._stream)
         upcoming = []
-        while len(self._in_flight) < min(self._ahead, steps_left - 1):
+        while len(self._in_flight) < min(self._ahead, self._steps_left - 1):
             self._in_flight.append(next(self._stream))
             upcoming.append(self._in_flight[-1][0])
         return prompts, upcoming
 
-    def more(self):
-        if self._ahead:
-            raise RuntimeError("another batch for this step while later ones are generating ahead")
-        prompts, self.sampler_state = next(self._stream)
-        return prompts
-
 
 def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: int, upcoming=(),
-                  more_prompts: Callable[[], PromptBatch] | None = None) -> dict[str, float]:
+                  more_prompts: Callable[[], tuple[PromptBatch, list[PromptBatch]]] | None = None) -> dict[str, float]:
     """One PPO iteration on this rank's share of the global prompt batch; ``upcoming`` (off-policy,
     ``trainer.max_staleness``): later batches for the servers to start generating while this one
-    trains; ``more_prompts`` draws another batch for dynamic sampling (``algorithm.filter_groups``).
+    trains; ``more_prompts`` takes another batch for dynamic sampling (``algorithm.filter_groups``),
+    with upcoming ones to start (``TrainingPrompts.more``).
 
     Memory choreography (colocated rollout, ``engine.rollout.memory``): the engine holds its
     weights, KV cache and CUDA graphs only to generate; it releases them before the training phases
@@ -245,8 +248,11 @@ def _fill_with_groups_with_spread(cfg: ExperimentConfig, parts: PPOComponents, g
             return _score(parts, rollout, cfg, training=True)
 
     def next_round() -> ScoredRollout:
-        with phase("gen", metrics):
-            rollout = generate(parts, more_prompts().repeat_interleave(n), sampling, policy_version=step)
+        prompts, upcoming = more_prompts()
+        with phase("gen", metrics):  # the next batch in flight, if any; later ones start
+            rollout = parts.rollout_ahead.take(parts, prompts.repeat_interleave(n), sampling, policy_version=step)
+            for later in upcoming:
+                parts.rollout_ahead.start(parts, later.repeat_interleave(n), sampling, policy_version=step)
         return scored(rollout)
 
     batch, round_metrics = fill_with_groups_with_spread(scored(generated), next_round, cfg.algorithm.filter_groups,
