@@ -2,11 +2,12 @@
 
 Colocated engines generate each generation replica's share where the training ranks are; servers
 of their own (``rollout.mode=disaggregated``) are driven by rank 0 alone, for the global batch,
-and can generate one batch ahead (``trainer.max_staleness=1``, one-step off-policy, as in
-NeMo-RL's and AReaL's asynchronous modes): ``RolloutAhead.start`` sends the next batch's prompts
-to the servers in the background and returns at once, the trainer trains on the current batch, and
-``RolloutAhead.wait_idle`` waits for the servers to finish before the new weights are pushed (a
-server never mixes two weight versions within one batch).
+and can generate k batches ahead (``trainer.max_staleness=k``, as in NeMo-RL's and AReaL's
+asynchronous modes): ``RolloutAhead.start`` sends a later batch's prompts to the servers in the
+background and returns at once, the trainer trains on the current batch, and
+``RolloutAhead.before_push`` waits for the servers to finish before the new weights are pushed or,
+with partial rollouts (``rollout.partial_rollout``), pauses them in place so that the generations
+go on with the new weights after the push, each token tagged with the version that sampled it.
 
 Servers that die (``rollout.max_server_restarts``): the prompts they had not answered come back
 as None; every rank then takes part in ``restart_dead_servers`` (the dead servers start again on
@@ -15,10 +16,11 @@ prompts are sent again, until none is missing (slime retries a dead engine's req
 others and restarts it at the next weight update; here a replica's prompts belong to its ranks'
 server, so it is restarted at once).
 
-Policy versions: the weights step ``k`` trains from are version ``k`` (the initial or resumed
-weights, then those pushed after step ``k - 1``). On-policy, step ``k`` trains on version ``k``'s
-samples; one step off-policy, on version ``k - 1``'s (``k >= 2``; step 1 and the step after a
-resume have none in flight and generate on-policy).
+Policy versions: the weights step ``s`` trains from are version ``s`` (the initial or resumed
+weights, then those pushed after step ``s - 1``; ``hand_over_weights`` names them to the engine).
+On-policy, step ``s`` trains on version ``s``'s samples; k steps off-policy, on version ``s - k``'s
+(and, partial, later ones for the tokens sampled after a push); the first steps of a run or after
+a resume have fewer in flight.
 """
 from __future__ import annotations
 
