@@ -131,9 +131,26 @@ def test_sglang_null_log_prob_is_a_named_error():
                                                    "output_token_logprobs": [[-0.5, 5, None], [None, 6, None],
                                                                              [-1.0, 7, None]]}}
     with pytest.raises(RolloutError, match="non-finite log-prob .null. for output token 1 of 3"):
-        _parse_sample(item)
+        _parse_sample(item, 2, None)
     item["meta_info"]["output_token_logprobs"][1][0] = -0.25
-    assert _parse_sample(item).log_probs == [-0.5, -0.25, -1.0]
+    assert _parse_sample(item, 2, None).log_probs == [-0.5, -0.25, -1.0]
+
+
+def test_sglang_weight_version_spans_become_each_tokens_version():
+    """SGLang's ``meta_info["weight_versions"]``: the version of each output token, where Trident
+    named every span's weights (``set_weight_version``); the checkpoint's own ("default") is none."""
+    from engine.rollout.base import RolloutError
+    from engine.rollout.sglang_engine import _parse_sample
+
+    item = {"output_ids": [5, 6, 7, 8], "meta_info": {
+        "finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.5, t, None] for t in (5, 6, 7, 8)],
+        "weight_versions": [{"version": "3", "start": 0, "end": 3}, {"version": "4", "start": 3, "end": 4}]}}
+    assert _parse_sample(item, 2, None).policy_versions == [3, 3, 3, 4]
+    item["meta_info"]["weight_versions"][0]["version"] = "default"
+    assert _parse_sample(item, 2, None).policy_versions is None
+    item["meta_info"]["weight_versions"] = [{"version": "3", "start": 0, "end": 2}]
+    with pytest.raises(RolloutError, match="cover 2 of 4 output tokens"):
+        _parse_sample(item, 2, None)
 
 
 def test_free_ports_are_drawn_below_the_ephemeral_range_and_ignore_the_seed():
