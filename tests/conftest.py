@@ -52,8 +52,8 @@ UNIT_SECONDS = {
     "tests/test_launch_ray.py::test_rollout_servers_on_a_node_of_their_own": 49,
     "tests/test_checkpoint_integrity.py::test_a_truncated_shard_in_the_latest_checkpoint": 50,
     "tests/test_hang_watchdog.py::test_a_stalled_rank_is_named_with_every_ranks_stacks_and_the_job_ends": 35,
-    "tests/test_dynamic_sampling_run.py::test_dynamic_sampling_trains_full_batches_of_groups_with_a_spread_and_learns_sooner": 52,
-    "tests/test_disaggregated_rollout.py::test_two_steps_off_policy_with_partial_rollouts_learns": 38,
+    "tests/test_dynamic_sampling_run.py::test_dynamic_sampling_trains_full_batches_of_groups_with_a_spread_and_learns_sooner": 85,
+    "tests/test_disaggregated_rollout.py::test_two_steps_off_policy_with_partial_rollouts_learns": 58,
 }
 
 
