@@ -105,8 +105,7 @@ def start_servers(cfg, count: int, host: str, api_key: str, log_dir: Path) -> li
     """``count`` servers of ``cfg``'s rollout on this node, each on its own GPUs (TP of them), ready."""
     import torch
 
-    from engine.rollout.sglang_server import (RETURN_ROUTED_EXPERTS_ARG, SGLangServer, SGLangServerConfig,
-                                              partial_rollout_args)
+    from engine.rollout.sglang_server import SGLangServer, SGLangServerConfig, feature_args
 
     rollout, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
     tp = rollout.tensor_model_parallel_size
@@ -118,8 +117,7 @@ def start_servers(cfg, count: int, host: str, api_key: str, log_dir: Path) -> li
             model_path=model.path, log_path=log_dir / f"sglang_server{i}.log", rollout=rollout, host=host,
             gpu_ids=tuple(range(i * tp, (i + 1) * tp)) if torch.cuda.is_available() else (),
             random_seed=cfg.trainer.seed + i, trust_remote_code=model.trust_remote_code, api_key=api_key,
-            extra_args=partial_rollout_args(rollout) + (
-                (RETURN_ROUTED_EXPERTS_ARG,) if cfg.actor_rollout_ref.actor.megatron.moe_router_replay else ())))
+            extra_args=feature_args(rollout, cfg.actor_rollout_ref.actor.megatron.moe_router_replay)))
         for i in range(count)
     ]
     try:

@@ -49,8 +49,8 @@ from engine.rollout.base import (
     validate_prompts,
 )
 from engine.rollout.sglang_cpu import memory_occupation_control_supported
-from engine.rollout.sglang_server import (RETURN_ROUTED_EXPERTS_ARG, SGLangServer, SGLangServerConfig,
-                                          SGLangServerCrashed, wait_reporting)
+from engine.rollout.sglang_server import (SGLangServer, SGLangServerConfig, SGLangServerCrashed, feature_args,
+                                          wait_reporting)
 from parallel.state import find_free_port
 
 logger = logging.getLogger(__name__)
@@ -274,8 +274,8 @@ class SGLangRolloutEngine(RolloutEngine):
                     max_total_tokens=config.max_total_tokens,
                     random_seed=config.random_seed,
                     trust_remote_code=config.trust_remote_code,
-                    extra_args=tuple(config.extra_server_args) + (
-                        (RETURN_ROUTED_EXPERTS_ARG,) if config.return_routed_experts else ()),
+                    extra_args=tuple(config.extra_server_args) + feature_args(config.rollout,
+                                                                              config.return_routed_experts),
                     api_key=config.api_key,
                 )
             )

@@ -37,15 +37,6 @@ SERVER_MODULE = "engine.rollout.sglang_launch"
 LOG_TAIL_LINES = 30
 # Starts on a fresh port after the chosen one was taken before the server bound it (see wait_until_ready).
 PORT_ATTEMPTS = 3
-# The server records the experts each token was routed to and returns them on request (MoE, R3).
-RETURN_ROUTED_EXPERTS_ARG = "--enable-return-routed-experts"
-
-
-def partial_rollout_args(rollout: RolloutConfig) -> tuple[str, ...]:
-    """Servers whose generations go on across weight pushes (``rollout.partial_rollout``) keep no
-    prefix cache: SGLang flushes it after a push only when idle, which they never are then, so a
-    new request could start from a prefix computed by weights older than ``max_staleness``."""
-    return ("--disable-radix-cache",) if rollout.partial_rollout else ()
 # What uvicorn logs, and then hangs, when the HTTP port is not free.
 PORT_TAKEN = "address already in use"
 # An external server's address that refuses connections this long has no server behind it: the job
@@ -89,6 +80,19 @@ class SGLangServerConfig:
     # to the process in its environment, see engine.rollout.sglang_launch); None on loopback.
     api_key: str | None = dataclasses.field(default=None, repr=False)
     python_executable: str = sys.executable
+
+
+def feature_args(rollout: RolloutConfig, return_routed_experts: bool) -> tuple[str, ...]:
+    """The server flags Trident's features need, wherever the server is started from.
+
+    - ``return_routed_experts`` (``actor.megatron.moe_router_replay``): the server records the
+      experts each token was routed to and returns them on request (R3).
+    - ``rollout.partial_rollout``: no prefix cache. SGLang flushes it after a push only when idle,
+      which servers whose generations go on across pushes never are, so a new request could start
+      from a prefix computed by weights older than ``trainer.max_staleness``.
+    """
+    return (("--enable-return-routed-experts",) if return_routed_experts else ()) + (
+        ("--disable-radix-cache",) if rollout.partial_rollout else ())
 
 
 def live_processes_in_group(process_group: int) -> list[int]:

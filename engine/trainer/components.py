@@ -31,7 +31,7 @@ from engine.roles import MegatronActor, MegatronCritic, MicroBatchConfig, Refere
 from engine.rollout.base import MEMORY_TAGS, RolloutEngine
 from engine.rollout.memory import record
 from engine.rollout.sglang_launch import API_KEY_ENV
-from engine.rollout.sglang_server import SGLangServer, partial_rollout_args
+from engine.rollout.sglang_server import SGLangServer
 from engine.sync import WeightSynchronizer
 from engine.trainer.checkpoint import CheckpointManager, CheckpointTarget
 from engine.trainer.console import say
@@ -298,8 +298,7 @@ def _start_disaggregated_servers(cfg: ExperimentConfig, run: RunDirectory, pushe
     engine, addresses = None, [None]
     if dist.get_rank() == 0:
         engine = create_rollout_engine(rollout, model.path, replica_gpus=_server_gpus(rollout, servers),
-                                       extra_server_args=_server_metrics_args(cfg) + partial_rollout_args(rollout),
-                                       **launch)
+                                       extra_server_args=_server_metrics_args(cfg), **launch)
         _register_server_metrics(cfg, run, engine)
         addresses = [[f"{server.config.host}:{server.port}" for server in engine.servers]]
         say(f"[trident] {servers} rollout server(s) of their own: {', '.join(addresses[0])} (logs in {run.rollout_dir})")
