@@ -1,8 +1,8 @@
 """DAPO's dynamic sampling (``algorithm.filter_groups``): generate and score rounds of
 ``data.train_batch_size`` prompts (off-policy: the batches generating ahead, in order) until that
-many prompt groups with a spread of ``metric`` exist, and train on exactly that many (verl's ``recipe/dapo`` trainer does the same on its driver; here
-every rank holds the same scored global batch, so every rank keeps the same groups with no
-communication).
+many prompt groups with a spread of ``metric`` exist, and train on exactly that many (verl's
+``recipe/dapo`` trainer does the same on its driver; here every rank holds the same scored global
+batch, so every rank keeps the same groups with no communication).
 
 The rounds run while the rollout engine holds its memory (releasing colocated weights would need a
 push before the next round), which is why a learned reward model, whose forward would peak with the
@@ -36,18 +36,21 @@ class ScoredRollout:
     metrics: dict[str, float]  # reward/*
 
     def select(self, rows: torch.Tensor) -> "ScoredRollout":
-        sources = RewardScores(**{name: None if score is None else score[rows]
-                                  for name, score in dataclasses.asdict(self.sources).items()})
+        sources = _each_source([self], lambda scores: scores[0][rows])
         return ScoredRollout(self.rollout.select(rows), self.scores[rows], sources, self.metrics)
 
     @staticmethod
     def concat(parts: list["ScoredRollout"], pad_id: int, metrics: dict[str, float]) -> "ScoredRollout":
         """One batch of several rounds, with ``metrics``."""
-        sources = {name: None if getattr(parts[0].sources, name) is None
-                   else torch.cat([getattr(p.sources, name) for p in parts])
-                   for name in ("rule", "model", "judge")}
         return ScoredRollout(Rollout.concat([p.rollout for p in parts], pad_id), torch.cat([p.scores for p in parts]),
-                             RewardScores(**sources), metrics)
+                             _each_source(parts, torch.cat), metrics)
+
+
+def _each_source(parts: list[ScoredRollout], combine: Callable) -> RewardScores:
+    """``combine`` applied to each reward source's scores of ``parts`` (a source that is off stays None)."""
+    return RewardScores(**{field.name: None if getattr(parts[0].sources, field.name) is None
+                           else combine([getattr(p.sources, field.name) for p in parts])
+                           for field in dataclasses.fields(RewardScores)})
 
 
 def filter_values(scored: ScoredRollout, metric: str) -> torch.Tensor:

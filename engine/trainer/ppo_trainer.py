@@ -166,9 +166,7 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
     sampling = rollout.sampling_params(cfg.data.max_response_length)
     temperature = sampling.log_prob_temperature  # the trainer's log-probs are the engine's distribution
     with phase("gen", metrics):
-        generated = parts.rollout_ahead.take(parts, prompts.repeat_interleave(rollout.n), sampling, policy_version=step)
-        for later in upcoming:
-            parts.rollout_ahead.start(parts, later.repeat_interleave(rollout.n), sampling, policy_version=step)
+        generated = _rollout_in_order(parts, prompts, upcoming, sampling, rollout.n, step)
         # ReMax (Li et al. 2023): a greedy response per prompt, whose reward is the baseline.
         greedy = generate(parts, prompts, replace(sampling, temperature=0.0)) if algo.uses_greedy_baseline else None
     scored = None
@@ -237,6 +235,15 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
     return metrics
 
 
+def _rollout_in_order(parts: PPOComponents, prompts, upcoming, sampling: SamplingParams, n: int, step: int) -> Rollout:
+    """The rollout of ``prompts`` (``n`` samples each): the oldest batch generating ahead, else
+    generated now; ``upcoming`` batches start generating with the weights of ``step``."""
+    generated = parts.rollout_ahead.take(parts, prompts.repeat_interleave(n), sampling, policy_version=step)
+    for later in upcoming:
+        parts.rollout_ahead.start(parts, later.repeat_interleave(n), sampling, policy_version=step)
+    return generated
+
+
 def _fill_with_groups_with_spread(cfg: ExperimentConfig, parts: PPOComponents, generated: Rollout, more_prompts,
                                   sampling: SamplingParams, step: int, metrics: dict) -> ScoredRollout:
     """DAPO's dynamic sampling (``engine.trainer.dynamic_sampling``): the step's batch of exactly
@@ -248,11 +255,8 @@ def _fill_with_groups_with_spread(cfg: ExperimentConfig, parts: PPOComponents, g
             return _score(parts, rollout, cfg, training=True)
 
     def next_round() -> ScoredRollout:
-        prompts, upcoming = more_prompts()
-        with phase("gen", metrics):  # the next batch in flight, if any; later ones start
-            rollout = parts.rollout_ahead.take(parts, prompts.repeat_interleave(n), sampling, policy_version=step)
-            for later in upcoming:
-                parts.rollout_ahead.start(parts, later.repeat_interleave(n), sampling, policy_version=step)
+        with phase("gen", metrics):
+            rollout = _rollout_in_order(parts, *more_prompts(), sampling, n, step)
         return scored(rollout)
 
     batch, round_metrics = fill_with_groups_with_spread(scored(generated), next_round, cfg.algorithm.filter_groups,
