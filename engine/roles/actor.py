@@ -133,8 +133,8 @@ class MegatronActor(_PolicyMixin, TrainableWorker):
         if batch.routed_experts is None:
             if replay:
                 raise ConfigError("actor_rollout_ref.actor.megatron.moe_router_replay=true, but the rollout engine "
-                                  "reported no routed experts for this batch (the embedded engine does; SGLang only on "
-                                  "CUDA, with --enable-return-routed-experts)")
+                                  "reported no routed experts for this batch (the embedded engines report them, and "
+                                  "SGLang servers started with --enable-return-routed-experts)")
             yield None
             return
         active = [RoutingReplay(self.model_chunks, self.tp_rank, self.tp_size)] if replay else []

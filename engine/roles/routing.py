@@ -3,8 +3,8 @@
 A token routed to other experts in training than in generation gets a different function: the
 failure behind most MoE RL collapses (the log-prob gap, ``rollout/log_prob_abs_diff``, shows its
 effect; the mismatch shows its cause). Where the rollout engine reports the experts it routed each
-token to (``RolloutBatch.routed_experts``: the embedded engine does; SGLang with
-``--enable-return-routed-experts``, CUDA only), two things use them:
+token to (``RolloutBatch.routed_experts``: the embedded engine does, and SGLang started with
+``--enable-return-routed-experts``, which Trident asks for with replay on), two things use them:
 
 - ``RoutingComparison``: the actor's old-log-prob pass, its first forward with the weights that
   generated the batch, compares its routers' top-k choice of every MoE layer with the rollout's:
