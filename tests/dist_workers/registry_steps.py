@@ -7,9 +7,36 @@ config fields are switched, as a user's YAML would set them. Each step's metrics
 finite; the JSON maps "kind/name" to the step's key metrics.
 """
 
+import contextlib
 import json
 import math
 import sys
+
+
+@contextlib.contextmanager
+def demo_on_one_rank(overrides: list[str]):
+    """``yaml/demo_cpu.yaml`` with ``overrides`` at world size 1, its model-parallel groups up inside."""
+    from engine.config import load_config
+    from parallel.state import destroy_model_parallel, initialize_model_parallel
+
+    cfg = load_config("yaml/demo_cpu.yaml", overrides, world_size=1)
+    initialize_model_parallel(cfg.actor_rollout_ref.actor.megatron.layout(), seed=cfg.trainer.seed)
+    try:
+        yield cfg
+    finally:
+        destroy_model_parallel()
+
+
+def serving_components(cfg, run_dir: str):
+    """The run's components, the engine serving the actor's weights (it starts released,
+    ``engine/trainer/components.py``)."""
+    from engine.trainer.components import build_components
+    from engine.trainer.ppo_trainer import hand_over_weights
+    from engine.trainer.run_dir import RunDirectory
+
+    parts = build_components(cfg, RunDirectory.create(run_dir))
+    hand_over_weights(parts, 1)
+    return parts
 
 
 def main() -> None:
@@ -17,10 +44,7 @@ def main() -> None:
     from engine.algo import registry
     from engine.algo.kl import build_kl_controller
     from engine.config import load_config
-    from engine.trainer.components import build_components
-    from engine.trainer.ppo_trainer import hand_over_weights, ppo_iteration
-    from engine.trainer.run_dir import RunDirectory
-    from parallel.state import destroy_model_parallel, initialize_model_parallel
+    from engine.trainer.ppo_trainer import ppo_iteration
 
     overrides = ["trainer.n_gpus_per_node=1", "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.n=2",
@@ -42,13 +66,10 @@ def main() -> None:
 
     def build(estimator: str):
         cfg = load_config("yaml/demo_cpu.yaml", [*overrides, f"algorithm.adv_estimator={estimator}"], world_size=1)
-        parts = build_components(cfg, RunDirectory.create(run_dir))
-        hand_over_weights(parts, 1)  # the engine starts released (engine/trainer/components.py)
+        parts = serving_components(cfg, run_dir)
         return cfg, parts, iter(parts.train_loader)
 
-    cfg = load_config("yaml/demo_cpu.yaml", overrides, world_size=1)
-    initialize_model_parallel(cfg.actor_rollout_ref.actor.megatron.layout(), seed=cfg.trainer.seed)
-    try:
+    with demo_on_one_rank(overrides):
         cfg, parts, batches = build("gae")
         run_step(parts, cfg, batches, "adv_estimator/gae")
         for name in registry.names("loss_agg_mode"):
@@ -72,8 +93,6 @@ def main() -> None:
                 cfg.algorithm.adv_estimator = name
                 run_step(parts, cfg, batches, f"adv_estimator/{name}")
         parts.engine.shutdown()
-    finally:
-        destroy_model_parallel()
     with open(out_file, "w") as handle:
         json.dump(results, handle)
 

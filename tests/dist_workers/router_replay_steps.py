@@ -30,22 +30,16 @@ def swap_some_experts(router, args, output):
 
 def main() -> None:
     out_file, run_dir, model_dir = sys.argv[1:]
-    from engine.config import load_config
-    from engine.trainer.components import build_components
-    from engine.trainer.ppo_trainer import hand_over_weights, ppo_iteration
-    from engine.trainer.run_dir import RunDirectory
-    from parallel.state import destroy_model_parallel, initialize_model_parallel
+    from engine.trainer.ppo_trainer import ppo_iteration
+    from tests.dist_workers.registry_steps import demo_on_one_rank, serving_components
 
     overrides = ["trainer.n_gpus_per_node=1", "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "critic.ppo_micro_batch_size_per_gpu=8",
                  f"actor_rollout_ref.model.path={model_dir}", "algorithm.use_kl_in_reward=false",
                  f"trainer.default_local_dir={run_dir}"]
-    cfg = load_config("yaml/demo_cpu.yaml", overrides, world_size=1)
-    initialize_model_parallel(cfg.actor_rollout_ref.actor.megatron.layout(), seed=cfg.trainer.seed)
     rows = []
-    try:
-        parts = build_components(cfg, RunDirectory.create(run_dir))
-        hand_over_weights(parts, 1)
+    with demo_on_one_rank(overrides) as cfg:
+        parts = serving_components(cfg, run_dir)
         for router in (m for m in parts.engine.model.modules() if type(m).__name__.endswith("TopKRouter")):
             router.register_forward_hook(swap_some_experts)
         batches = iter(parts.train_loader)
@@ -55,11 +49,8 @@ def main() -> None:
             rows.append({"step": step, "replay": step > 2, **{key: metrics[key] for key in (
                 "rollout/routed_experts_mismatch", "rollout/log_prob_abs_diff", "actor/pg_loss", "actor/grad_norm")}})
         parts.engine.shutdown()
-    finally:
-        destroy_model_parallel()
     with open(out_file, "w") as handle:
         json.dump(rows, handle)
-
 
 if __name__ == "__main__":
     main()
