@@ -35,6 +35,17 @@ SCALE_ROWS = {
 PLANNER_TABLES = list(SCALE_ROWS)[:4]
 
 
+def sync_cell(report: PlanReport) -> str:
+    """GiB one GPU receives per sync: whole tensors / each its SGLang shard / LoRA adapters only
+    ("-" where a mode does not apply), the loop's own in bold."""
+    cells = []
+    for mode in ("full", "sharded", "adapters"):
+        received = report.sync_bytes_by_mode.get(mode)
+        text = "-" if received is None else f"{received / GIB:.1f}" if received >= GIB / 20 else f"{received / 2**20:.0f} MiB"
+        cells.append(f"**{text}**" if mode == report.loop_sync_mode else text)
+    return " / ".join(cells)
+
+
 def scale_row(experiment: str, report: PlanReport) -> str:
     phases = {phase.phase: phase for phase in report.memory.phases}
     headroom = min(phase.capacity_bytes - phase.total_bytes for phase in report.memory.phases)
@@ -42,8 +53,7 @@ def scale_row(experiment: str, report: PlanReport) -> str:
     cells = [f"`{experiment}`", f"{report.nodes} x {report.gpus_per_node}", SCALE_ROWS[experiment],
              f"TP{report.rollout.tensor_model_parallel_size}", f"{phases['rollout'].total_bytes / GIB:.1f}",
              f"{phases['update_actor'].total_bytes / GIB:.1f}", f"{headroom / GIB:.1f}",
-             f"{report.loop_sync_received_bytes / GIB:.1f} / {sync.received_bytes / GIB:.1f} / "
-             f"{sync.gather_all_bytes / GIB:.1f}"]
+             sync_cell(report)]
     return "| " + " | ".join(cells) + " |"
 
 

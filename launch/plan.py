@@ -160,9 +160,17 @@ class PlanReport:
     models: list[ModelMemoryConfig]
     rollout: RolloutMemoryConfig
     memory: MemoryPlan
-    # Bytes one GPU receives in the weight sync the loop runs (whole HF tensors on every generation
-    # rank, ReshardTarget.FULL): the most over the GPUs, replayed by the HybridEngine's own plan.
-    loop_sync_received_bytes: int
+    # Bytes one GPU receives in one weight sync, by sync mode (the most over the GPUs, replayed by
+    # the HybridEngine's own plan): "full" (whole HF tensors on every generation rank), "sharded"
+    # (each its SGLang shard; where the sharded loader covers the model), "adapters" (LoRA with
+    # lora_sync=adapters: the PEFT adapters), "broadcast" (servers of their own: the whole model).
+    sync_bytes_by_mode: dict[str, int]
+    # The mode the loop runs with this config.
+    loop_sync_mode: str
+
+    @property
+    def loop_sync_received_bytes(self) -> int:
+        return self.sync_bytes_by_mode[self.loop_sync_mode]
 
     @property
     def fits(self) -> bool:
@@ -322,28 +330,53 @@ def make_plan(
         yaml_path=str(yaml_path), nodes=config.trainer.nnodes, gpus_per_node=config.trainer.n_gpus_per_node,
         gpu_memory_gib=gpu_memory_gib, world_size=world, architecture_source=source,
         parameters=full_model_parameters(models[0].architecture), models=models, rollout=rollout, memory=memory,
-        # Servers of their own: every server GPU receives every tensor of the broadcast.
-        loop_sync_received_bytes=int(memory.sync.model_bytes) if rollout.disaggregated else max(weight_sync_received_bytes(
-            models[0].architecture, models[0].layout, world, config.actor_rollout_ref.rollout.tensor_model_parallel_size,
-            config.actor_rollout_ref.rollout.dtype).values()),
+        **weight_sync_modes(config, models[0], world, int(memory.sync.model_bytes)),
     )
 
 
+def weight_sync_modes(config: ExperimentConfig, actor: ModelMemoryConfig, world_size: int, model_bytes: int) -> dict:
+    """``sync_bytes_by_mode`` and ``loop_sync_mode`` of a PlanReport (see there)."""
+    from engine.sync.weight_sync import presharded_refusal
+
+    rollout, architecture = config.actor_rollout_ref.rollout, actor.architecture
+    if rollout.mode == "disaggregated":  # every server GPU receives every tensor of the broadcast
+        return {"sync_bytes_by_mode": {"broadcast": model_bytes}, "loop_sync_mode": "broadcast"}
+    tg = rollout.tensor_model_parallel_size
+    modes = {"full": max(weight_sync_received_bytes(architecture, actor.layout, world_size, tg, rollout.dtype).values())}
+    loop = "full"
+    if rollout.name == "sglang" and presharded_refusal(architecture, actor.layout.tensor_model_parallel_size, tg) is None:
+        modes["sharded"] = max(weight_sync_received_bytes(architecture, actor.layout, world_size, tg, rollout.dtype,
+                                                          sharded=True).values())
+        loop = "sharded" if rollout.weight_sync_target == "sharded" else loop
+    lora = config.actor_rollout_ref.model.lora_settings(config.trainer.seed)
+    if lora is not None and rollout.name in ("sglang", "torch"):
+        import torch
+
+        modes["adapters"] = lora.peft_elements(architecture) * torch.empty((), dtype=getattr(torch, rollout.dtype)).element_size()
+        loop = "adapters" if rollout.lora_sync == "adapters" else loop
+    return {"sync_bytes_by_mode": modes, "loop_sync_mode": loop}
+
+
 def weight_sync_received_bytes(architecture: ModelArchitecture, layout, world_size: int, generation_tp: int,
-                               dtype: str) -> dict[int, int]:
-    """Bytes GPUs receive in one weight sync of the loop, by rank: the HybridEngine's own plan
-    (``ReshardPlan.traffic``) for the whole tensors every colocated generation rank gets, in the
-    engine's ``dtype``. GPUs differ by pipeline stage and expert rank only, so one of each is
-    replayed (the first rank of each)."""
+                               dtype: str, *, sharded: bool = False) -> dict[int, int]:
+    """Bytes GPUs receive in one weight sync, by rank: the HybridEngine's own plan
+    (``ReshardPlan.traffic``) for the whole tensors every colocated generation rank gets, or with
+    ``sharded`` for each rank's SGLang shard (SGLang's vocab padding), in the engine's ``dtype``.
+    GPUs differ by pipeline stage and expert rank only, so one of each is replayed (the first rank
+    of each); with ``sharded`` also by TP rank (every rank of the first model-parallel group)."""
     import torch
 
+    from engine.rollout.sglang_presharded import vocab_rows
     from engine.sync.specs import parameter_specs
     from parallel.hybrid_engine import GenerationLayout, HybridLayout, ReshardPlan, ReshardTarget, TrainingLayout
 
     training = TrainingLayout.from_parallel_layout(layout, world_size)
-    plan = ReshardPlan(HybridLayout(training, GenerationLayout(generation_tp)),
-                       parameter_specs(architecture, training, transformer_engine=True), ReshardTarget.FULL,
-                       getattr(torch, dtype))
+    specs = parameter_specs(architecture, training, transformer_engine=True, generation_vocab_rows=(
+        vocab_rows(architecture.vocab_size, generation_tp) if sharded else None))
+    plan = ReshardPlan(HybridLayout(training, GenerationLayout(generation_tp)), specs,
+                       ReshardTarget.SHARDED if sharded else ReshardTarget.FULL, getattr(torch, dtype))
+    if sharded:
+        return {rank: plan.traffic(rank).received for rank in plan.template_ranks()}
     representatives: dict[tuple[int, int], int] = {}
     for rank in range(world_size):
         coordinates = training.coordinates(rank)
@@ -403,12 +436,14 @@ def summary_lines(report: PlanReport) -> list[str]:
         lines.append(f"weight sync: every server GPU receives the whole model, {report.loop_sync_received_bytes / GIB:.2f} "
                      f"GiB per step, broadcast in buckets of {sync.bucket_bytes / 2**20:g} MiB")
         return lines
+    described = {"full": "whole tensors on every generation rank", "sharded": "each rank its SGLang shard",
+                 "adapters": "the LoRA adapters only"}
+    modes = "; ".join(f"{mode} {received / GIB:.2f} GiB ({described[mode]})" + (" <- the loop" if mode == report.loop_sync_mode else "")
+                      for mode, received in report.sync_bytes_by_mode.items())
     lines.append(
-        f"weight sync per GPU: {report.loop_sync_received_bytes / GIB:.2f} GiB received by the loop (whole tensors on "
-        f"every generation rank); {sync.received_bytes / GIB:.2f} GiB would be HybridFlow's bound (each rank its "
-        f"engine shard), gather-all {sync.gather_all_bytes / GIB:.1f} GiB; {sync.engine_shard_bytes / GIB:.2f} GiB "
-        f"engine shard in {sync.buckets} bucket(s) of {sync.bucket_bytes / 2**20:g} MiB; model "
-        f"{sync.model_bytes / GIB:.1f} GiB"
+        f"weight sync per GPU: {modes}; HybridFlow's bound {sync.received_bytes / GIB:.2f} GiB, gather-all "
+        f"{sync.gather_all_bytes / GIB:.1f} GiB; {sync.engine_shard_bytes / GIB:.2f} GiB engine shard in "
+        f"{sync.buckets} bucket(s) of {sync.bucket_bytes / 2**20:g} MiB; model {sync.model_bytes / GIB:.1f} GiB"
     )
     return lines
 
@@ -483,6 +518,7 @@ def json_dict(report: PlanReport) -> dict[str, Any]:
         },
         "weight_sync": {
             "model_bytes": sync.model_bytes, "received_bytes_per_gpu": report.loop_sync_received_bytes,
+            "mode": report.loop_sync_mode, "received_bytes_per_gpu_by_mode": report.sync_bytes_by_mode,
             "sharded_bound_bytes_per_gpu": sync.received_bytes, "gather_all_bytes_per_gpu": sync.gather_all_bytes, "engine_shard_bytes": sync.engine_shard_bytes,
             "bucket_bytes": sync.bucket_bytes, "buckets": sync.buckets,
         },

@@ -524,3 +524,18 @@ def test_prompts_must_split_over_data_parallel_ranks_not_only_their_samples():
                               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
                               "critic.ppo_micro_batch_size_per_gpu=2"])
     assert "data.train_batch_size=1 prompts must split evenly" in message and "dp = 2" in message
+
+
+def test_weight_sync_modes_are_checked_by_name():
+    assert "weight_sync_target='shard' is not a valid choice. Did you mean 'sharded'?" in error_of(
+        DEMO, ["actor_rollout_ref.rollout.weight_sync_target=shard"])
+    assert "lora_sync='adapter' is not a valid choice. Did you mean 'adapters'?" in error_of(
+        DEMO, ["actor_rollout_ref.rollout.lora_sync=adapter"])
+    lora = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.rollout.lora_sync=adapters"]
+    assert "lora_sync='adapters': must be merged without LoRA" in error_of(
+        DEMO, ["actor_rollout_ref.rollout.lora_sync=adapters"])
+    assert "with actor_rollout_ref.rollout.name='torch-process'" in error_of(
+        DEMO, [*lora, "actor_rollout_ref.rollout.name=torch-process"])
+    assert "servers of their own (mode=disaggregated)" in error_of(
+        DEMO, [*lora, "actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.mode=disaggregated",
+               "actor_rollout_ref.rollout.num_gpus=1"])

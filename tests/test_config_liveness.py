@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 # Keys only the SGLang engine reads (checked by the test that starts one, with the SGLang tier).
 SGLANG_ONLY = tuple(f"actor_rollout_ref.rollout.{key}" for key in (
     "gpu_memory_utilization", "startup_timeout_s", "request_timeout_s", "weight_update_timeout_s",
-    "check_weight_sync_tolerance", "num_gpus", "server_addresses", "max_server_restarts"))
+    "check_weight_sync_tolerance", "num_gpus", "server_addresses", "max_server_restarts", "weight_sync_target"))
 
 
 def judge_keys() -> set[str]:
@@ -113,7 +113,7 @@ def test_sglang_keys_are_read(demo_model, tmp_path):
     run = [f"sglang|trainer.n_gpus_per_node=1;data.train_batch_size=8;actor_rollout_ref.actor.ppo_mini_batch_size=8;"
            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8;trainer.total_training_steps=1;"
            f"trainer.val_before_train=false;trainer.export_hf_at_end=false;trainer.default_local_dir={tmp_path}/run;"
-           # Disaggregated (the colocated SGLang path reads no key this one does not).
+           # Disaggregated, then colocated (which reads only weight_sync_target beyond this one).
            f"actor_rollout_ref.rollout.name=sglang;actor_rollout_ref.rollout.mode=disaggregated;"
            f"actor_rollout_ref.rollout.num_gpus=1;actor_rollout_ref.rollout.check_weight_sync=true;"
            f"actor_rollout_ref.rollout.gpu_memory_utilization=0.05;trainer.prometheus_port={find_free_port()};"
@@ -121,6 +121,11 @@ def test_sglang_keys_are_read(demo_model, tmp_path):
            f"reward_model.judge.model.dtype=float32;reward_model.judge.fallback_score=0;"
            # The demo model answers this with a number (its task), so replies parse.
            f"reward_model.judge.prompt_template='{{prompt}} {{response}}';reward_model.judge.max_score=200"]
+    # Colocated, one step: how the weights reach the server's TP workers (weight_sync_target).
+    run.append(f"sglang|trainer.n_gpus_per_node=1;data.train_batch_size=8;actor_rollout_ref.actor.ppo_mini_batch_size=8;"
+               f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8;trainer.total_training_steps=1;"
+               f"trainer.val_before_train=false;trainer.export_hf_at_end=false;trainer.default_local_dir={tmp_path}/colocated;"
+               f"actor_rollout_ref.rollout.name=sglang;actor_rollout_ref.rollout.gpu_memory_utilization=0.05")
     read = read_keys(tmp_path, run)
     assert set(SGLANG_ONLY) | judge_keys() <= read, (set(SGLANG_ONLY) | judge_keys()) - read
     # With Prometheus on, the server exports its own metrics, listed beside the trainer's.

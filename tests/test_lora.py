@@ -93,17 +93,23 @@ def test_merged_weights_in_the_engine_give_the_trainers_log_probs(lora_run):
 
 @pytest.mark.sglang
 @requires_sglang
-def test_merged_weights_pushed_into_sglang(tiny_llama, tmp_path):  # noqa: F811
-    """TP2+SP training, a real SGLang server at generation TP 2 (fp32, CPU): after the push its greedy
-    log-probs equal transformers' on the merged export (which the embedded engine equals bit for bit);
-    before the push (the base weights) they differ."""
+def test_adapters_and_merged_weights_pushed_into_sglang(tiny_llama, tmp_path):  # noqa: F811
+    """TP2+SP training, a real SGLang server at generation TP 2 with LoRA enabled (fp32, CPU): before
+    any push it serves the base (its log-probs differ from transformers' on the merged export, which
+    the embedded engine equals bit for bit); after the adapters-only push (lora_sync=adapters) and
+    after the merged push they equal them, the two give the same greedy tokens, and the adapters push
+    moved exactly the PEFT adapters' bytes."""
     run_torchrun("lora_parity.py", 2, ["--hf-dir", str(tiny_llama), "--out", str(tmp_path / "r.json"),
                                        "--out-dir", str(tmp_path), "--layouts", "2,1,0,1,1,0", "--engine", "sglang"],
                  timeout=900)
     result = json.loads((tmp_path / "r.json").read_text())["2,1,0,1,1,0"]["sglang"]
-    assert result["before_push"]["tokens"] == result["after_push"]["tokens"] == 24, result
+    stages = ("before_push", "after_adapters_push", "after_push")
+    assert all(result[stage]["tokens"] == 24 for stage in stages), result
     assert result["before_push"]["max_abs_difference"] > 1e-2, result  # the server starts from the base
+    assert result["after_adapters_push"]["max_abs_difference"] < 1e-4, result
     assert result["after_push"]["max_abs_difference"] < 1e-4, result
+    assert result["same_tokens"] and result["adapters_vs_merged"] < 1e-4, result
+    assert result["adapters_push"]["bytes"] == result["adapters_push"]["peft_bytes"] > 0, result
 
 
 def test_peft_export_loads_with_peft(lora_run, tiny_llama):  # noqa: F811
@@ -135,3 +141,64 @@ def test_target_modules():
         LoRASettings(4, 8, ("q_proj", "o_proj")).megatron_layers()
     with pytest.raises(ValueError, match="unknown module 'qkv'"):
         LoRASettings(4, 8, ("qkv",)).megatron_layers()
+
+
+def test_the_embedded_engine_serves_pushed_adapters(tiny_llama, tmp_path):  # noqa: F811
+    """``TorchRolloutEngine.push_adapters`` (rollout.lora_sync=adapters): it serves base + adapters as
+    PEFT does (teacher-forced log-probs of its greedy tokens equal a PeftModel's), a second push
+    replaces the adapters, releasing and resuming its memory keeps the base weights (no push brings
+    them back), and a weight push drops the adapters (the merged weights hold them). The PEFT names
+    and the adapter elements are those of engine.models.lora."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import RolloutConfig
+    from engine.models.hf_config import architecture_from_hf, load_hf_config
+    from engine.rollout.base import SamplingParams, WeightUpdateError
+    from engine.rollout.torch_engine import TorchRolloutEngine
+    from tests.dist_workers.reshard_sync import hf_log_probs
+
+    settings = LoRASettings(4, 8, ("all-linear",))
+    reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32),
+                                    peft.get_peft_config(settings.peft_config()))
+    plain = TorchRolloutEngine(str(tiny_llama), RolloutConfig(name="torch", dtype="float32"), device="cpu")
+    prompts, greedy = [[5, 6, 7], [11, 3, 8, 2]], SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    base = [sample.token_ids for (sample,) in plain.generate(prompts, greedy)]
+    with pytest.raises(WeightUpdateError, match="serves no LoRA adapters"):
+        plain.push_adapters({}, settings.peft_config())
+    engine = TorchRolloutEngine(str(tiny_llama), RolloutConfig(name="torch", dtype="float32"), device="cpu",
+                                lora=settings)
+    # Started with LoRA, it serves the base (B = 0) and keeps it across a release before any push.
+    engine.release_memory()
+    engine.resume_memory()
+    assert [sample.token_ids for (sample,) in engine.generate(prompts, greedy)] == base
+
+    def served_matches_reference() -> list[list[int]]:
+        samples = [sample for (sample,) in engine.generate(prompts, greedy)]
+        for prompt, sample in zip(prompts, samples):
+            expected = hf_log_probs(reference, prompt, sample.token_ids).double()
+            assert torch.allclose(torch.tensor(sample.log_probs, dtype=torch.float64), expected, atol=1e-5)
+        return [sample.token_ids for sample in samples]
+
+    for draw in (1, 2):
+        generator = torch.Generator().manual_seed(draw)
+        with torch.no_grad():
+            for name, param in reference.named_parameters():
+                if "lora_" in name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+        tensors = peft.get_peft_model_state_dict(reference)
+        architecture = architecture_from_hf(load_hf_config(tiny_llama))
+        assert sum(t.numel() for t in tensors.values()) == settings.peft_elements(architecture)
+        engine.push_adapters(tensors, settings.peft_config())
+        adapted = served_matches_reference()
+        assert adapted != base
+        engine.release_memory()
+        engine.resume_memory()
+        assert served_matches_reference() == adapted
+    engine.begin_weight_update()  # a merged push: the adapters go, the base stays until pushed over
+    engine.end_weight_update()
+    assert [sample.token_ids for (sample,) in engine.generate(prompts, greedy)] == base
+    with pytest.raises(WeightUpdateError, match="serves no LoRA adapters"):
+        engine.push_adapters(tensors, settings.peft_config())
+    engine.shutdown()
+    plain.shutdown()

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from launch.memory_model import GIB
+from launch.docs_tables import sync_cell
 from launch.plan import CUDA_CONTEXT_GIB, main, make_plan
 
 REPO = Path(__file__).resolve().parent.parent
@@ -105,10 +106,13 @@ def test_json_output_and_layout_errors(capsys):
     assert plan["fits"] and plan["world_size"] == 64
     assert plan["models"]["actor"]["pipeline_model_parallel_size"] == 8
     sync = plan["weight_sync"]
-    # HybridFlow's bound (each GPU its TP8 engine shard) against what the loop moves: whole tensors on
-    # every GPU, less the 1/64 it trains (norms are whole on every rank: a little more is held).
+    # HybridFlow's bound (each GPU its TP8 engine shard) against what the loop moves into SGLang: each
+    # GPU its shard (the sharded push; above the bound by the norms, whole on every rank), where whole
+    # tensors on every GPU would be the model less the 1/64 it trains.
     assert sync["sharded_bound_bytes_per_gpu"] == pytest.approx((64 - 8) / (8 * 64) * sync["model_bytes"])
-    assert sync["received_bytes_per_gpu"] == pytest.approx((1 - 1 / 64) * sync["model_bytes"], rel=1e-3)
+    assert sync["mode"] == "sharded" and set(sync["received_bytes_per_gpu_by_mode"]) == {"full", "sharded"}
+    assert sync["received_bytes_per_gpu"] == pytest.approx(sync["sharded_bound_bytes_per_gpu"], rel=1e-2)
+    assert sync["received_bytes_per_gpu_by_mode"]["full"] == pytest.approx((1 - 1 / 64) * sync["model_bytes"], rel=1e-3)
     # 4 nodes cannot hold TP8 x PP8: a config error naming the key, status 2
     assert main(["yaml/llama3-70b_ppo_8node.yaml", "--nodes", "4"]) == 2
     assert "actor_rollout_ref.actor.megatron" in capsys.readouterr().err
@@ -204,10 +208,28 @@ def test_scale_docs_print_the_current_estimates():
         report = make_plan(experiment)
         phases = {phase.phase: phase for phase in report.memory.phases}
         headroom = min(phase.capacity_bytes - phase.total_bytes for phase in report.memory.phases)
-        sync = report.memory.sync
         expected = [f"{phases['rollout'].total_bytes / gib:.1f}", f"{phases['update_actor'].total_bytes / gib:.1f}",
-                    f"{headroom / gib:.1f}", f"{report.loop_sync_received_bytes / gib:.1f} / "
-                    f"{sync.received_bytes / gib:.1f} / {sync.gather_all_bytes / gib:.1f}"]
+                    f"{headroom / gib:.1f}", sync_cell(report)]
         row = next(line for line in page if line.startswith(f"| `{experiment}` |"))
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         assert cells[-4:] == expected, f"update docs/scale.md's row for {experiment}"
+
+
+def test_weight_sync_bytes_per_gpu_by_mode():
+    """The sharded push moves nothing between GPUs where training and generation TP agree and the
+    vocab paddings do (Qwen3's 151936 rows at TP2, Llama 3's 128256 at TP8); LoRA's adapters-only
+    sync moves the PEFT adapters (every fused part its own A), in the rollout dtype; where SGLang's
+    layout does not match Megatron's slices (4 key/value heads at generation TP 8) there is no
+    sharded mode and the loop pushes whole tensors."""
+    qwen3 = make_plan("yaml/qwen3-8b_grpo_gsm8k.yaml")
+    assert qwen3.loop_sync_mode == "sharded" and qwen3.sync_bytes_by_mode["sharded"] == 0 < qwen3.sync_bytes_by_mode["full"]
+    lora = make_plan("yaml/llama3-70b_lora_grpo_1node.yaml")
+    assert lora.sync_bytes_by_mode["sharded"] == 0
+    adapters = make_plan("yaml/llama3-70b_lora_grpo_1node.yaml", ["actor_rollout_ref.rollout.lora_sync=adapters"])
+    assert adapters.loop_sync_mode == "adapters"
+    # Llama-3-70B, r=32 on every linear layer of 80: q (8192 + 8192), k and v (8192 + 1024), o (8192 + 8192),
+    # gate and up (8192 + 28672), down (28672 + 8192); bf16.
+    per_layer = 32 * (16384 + 2 * 9216 + 16384 + 3 * 36864)
+    assert adapters.loop_sync_received_bytes == 80 * per_layer * 2
+    moe = make_plan("yaml/qwen3-30b-a3b_grpo_gsm8k.yaml")
+    assert moe.loop_sync_mode == "full" and "sharded" not in moe.sync_bytes_by_mode

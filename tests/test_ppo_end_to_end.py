@@ -48,6 +48,11 @@ def test_reward_rises(demo_model, tmp_path):
     assert len(accuracy) == 5 and max(accuracy[1:]) - accuracy[0] >= 0.03, accuracy
     # Train/inference parity: the engine's sampled log-probs equal the trainer's recomputation.
     assert max(r["rollout/log_prob_abs_diff"] for r in rows if "rollout/log_prob_abs_diff" in r) < 1e-4
+    from engine.models.hf_config import architecture_from_hf, load_hf_config
+    from engine.models.lora import LoRASettings
+
+    adapter_bytes = LoRASettings(8, 16).peft_elements(architecture_from_hf(load_hf_config(demo_model.model_dir))) * 4
+    assert {r["perf/weight_sync_received_mb"] for r in rows if "perf/weight_sync_received_mb" in r} == {adapter_bytes / 2**20}
     assert (run_dir / "tensorboard").glob("events.out.tfevents.*")
 
     # The HF export of the trained actor, validated by a fresh job at TP1 (the export is
@@ -139,16 +144,21 @@ def test_moe_with_expert_parallelism_trains_like_ep1_and_resumes(demo_model, tmp
 
 
 def test_lora_learns_and_resumes_exactly(demo_model, tmp_path):
-    """PPO with LoRA (rank 8 on every linear layer, lr 1e-3) on the demo: the reward rises as in
-    ``test_reward_rises``, the actor's checkpoint holds the adapters and their optimizer state only,
-    and a fresh job resumed from the step-38 checkpoint logs steps 39 and 40 (and the validation at
-    40) as the uninterrupted run did. Measured (trainer.seed 1): greedy validation 0.40 -> 0.515 at
-    step 10, 0.525 at 30; sampled score 0.22 at step 1 -> 0.41 over steps 31-40; actor checkpoint
-    1.1 MB against the critic's 11 MB (full weights + Adam)."""
+    """PPO with LoRA (rank 8 on every linear layer, lr 1e-3) on the demo, the engine taking the
+    adapters alone each step (``rollout.lora_sync=adapters``: the embedded engine serves its base
+    with PEFT's layers): the reward rises as in ``test_reward_rises``, each sync moves exactly the
+    PEFT adapters, the actor's checkpoint holds the adapters and their optimizer state only, and a
+    fresh job resumed from the step-38 checkpoint logs steps 39 and 40 (and the validation at 40) as
+    the uninterrupted run did. Measured (trainer.seed 1), greedy validation at steps 0, 10, ..., 40:
+    adapters 0.405 0.505 0.495 0.525 0.555, merged weights (lora_sync=merged) 0.405 0.485 0.46 0.465
+    0.585; sampled score over steps 31-40 0.45 and 0.46 (0.30 and 0.20 at step 1); the rollout's
+    log-probs within 4.4e-7 of the trainer's; 0.31 MiB per sync (81,920 fp32 adapter elements);
+    actor checkpoint 1.1 MB against the critic's 11 MB (full weights + Adam)."""
     # With full activation recompute, as the 70B LoRA experiments run: megatron's checkpointed layers
     # pass gradients to the adapters only because the embedding output is made to require them.
     settings = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
                 "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+                "actor_rollout_ref.rollout.lora_sync=adapters",
                 "trainer.total_training_steps=40", "trainer.save_freq=19", "trainer.test_freq=10"]
     run_dir, resumed = tmp_path / "run", tmp_path / "resumed"
     run_main([f"trainer.default_local_dir={run_dir}", *settings])
@@ -158,6 +168,11 @@ def test_lora_learns_and_resumes_exactly(demo_model, tmp_path):
     accuracy = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
     assert len(accuracy) == 5 and max(accuracy[1:]) - accuracy[0] >= 0.03, accuracy
     assert max(r["rollout/log_prob_abs_diff"] for r in rows if "rollout/log_prob_abs_diff" in r) < 1e-4
+    from engine.models.hf_config import architecture_from_hf, load_hf_config
+    from engine.models.lora import LoRASettings
+
+    adapter_bytes = LoRASettings(8, 16).peft_elements(architecture_from_hf(load_hf_config(demo_model.model_dir))) * 4
+    assert {r["perf/weight_sync_received_mb"] for r in rows if "perf/weight_sync_received_mb" in r} == {adapter_bytes / 2**20}
     assert (run_dir / "hf" / "actor_adapter" / "adapter_model.safetensors").is_file()
     assert (run_dir / "hf" / "actor" / "model.safetensors").is_file()
     checkpoint = run_dir / "checkpoints" / "step_40"

@@ -46,13 +46,15 @@ def tiny_llama_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_qwen3_dir(tmp_path_factory):
-    """A random tiny Qwen3: per-head q/k RMSNorm (weights away from 1), head_dim 32 != hidden / heads."""
+    """A random tiny Qwen3: per-head q/k RMSNorm (weights away from 1), head_dim 32 != hidden / heads,
+    180 vocab rows, which Megatron pads to 256 and SGLang to 192 (its TP ranks' vocab slices are not
+    Megatron's)."""
     def spread(name, param):
         if name.endswith(("q_norm.weight", "k_norm.weight")):
             param.uniform_(0.5, 1.5)
 
     return save_random_model(tmp_path_factory, transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
-        vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        vocab_size=180, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=128, tie_word_embeddings=False,
         **SPECIAL_TOKENS), spread)
 
@@ -130,6 +132,42 @@ def test_moe_reshard_on_4_ranks(tiny_qwen3_moe_dir, tmp_path):
             assert record[target]["received"] <= 1.05 * record[target]["lower_bound"], (record["case"], target)
 
 
+@pytest.fixture(scope="module")
+def sglang_qwen3_moe_dir(tmp_path_factory):
+    """A random tiny Qwen3-MoE that SGLang's CPU engine serves (every layer MoE, head_dim 16 = 64 / 4;
+    with ``tiny_qwen3_moe_dir``'s dense layer 1 and head_dim 32 it returns NaN log-probs)."""
+    def spread(name, param):
+        if ".experts." in name or name.endswith("mlp.gate.weight"):
+            param.normal_(0, 0.1)
+
+    return save_random_model(tmp_path_factory, transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=128, tie_word_embeddings=False, **SPECIAL_TOKENS), spread)
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+@requires_sglang
+def test_moe_shards_into_real_sglang_workers(sglang_qwen3_moe_dir, tmp_path):
+    # (pp1,tp2,ep2,etp1)->tp_gen2: each rank holds two whole experts of each MoE layer and needs its
+    # TP half of all four; the sharded push delivers each rank its slices of every expert into SGLang's
+    # fused-MoE weights (w13 / w2, placed by their own presharded loader), and the full push after it
+    # must leave every TP worker's parameters bit for bit as they were (tests/dist_workers/reshard_sync.py).
+    #
+    # Measured: every parameter is bit for bit SGLang's own load except the fused-expert tensors, whose
+    # bytes differ between SGLang's CPU fused-MoE loader given whole tensors and given rank-local ones,
+    # while the served model is the same (greedy tokens equal, log-probs within 1e-6 of each other and
+    # of transformers'). A second full push reproduces the first's bytes exactly, so the difference is
+    # in what the two branches of that loader write, not in the shards (which the worker checks against
+    # the export bit for bit); unexplained, and worth a look on a GPU.
+    (record,) = run_cases(sglang_qwen3_moe_dir, tmp_path, 2, ["1,2,0,2,2,1"], engine="sglang")
+    assert record["prompts_checked"] > 0 and record["max_log_prob_difference"] < 1e-4
+    assert record["sharded_push"]["tensors_compared"] > 0
+    assert all(name.endswith(("experts.w13_weight", "experts.w2_weight")) for name in record["sharded_push"]["differing"])
+    assert 0 < record["sharded_push"]["max_received"] < record["full"]["received"]
+
+
 @pytest.mark.sglang
 @pytest.mark.slow
 @requires_sglang
@@ -140,7 +178,24 @@ def test_reshard_into_real_sglang_servers(tiny_qwen3_dir, tmp_path):
     # shared-memory file name), one request per bucket from the leader. Both: greedy generation
     # equals HF with the exported weights. Qwen3: its per-head q/k norms (replicated tensors) and
     # decoupled head_dim reach the server too (the Llama push into SGLang: tests/test_rollout_sglang.py).
-    by_rank, per_rank = run_cases(tiny_qwen3_dir, tmp_path, 2, ["1,2,0,1", "1,2,0,2"], engine="sglang")
-    for record in (by_rank, per_rank):
+    #
+    # Each case first pushes the sharded way (each rank's own generation shard to its own SGLang TP
+    # worker, placed there by engine.rollout.sglang_presharded), then the full way; the worker checks
+    # every rank received exactly the plan's lower bound, and that every TP worker's parameter
+    # checksums (SGLang's /weights_checker) and the greedy tokens and log-probs of probe prompts are
+    # the same after both pushes. (pp2,tp1)->tp_gen2: the stages send the generation ranks their slices.
+    by_rank, per_rank, stages = run_cases(tiny_qwen3_dir, tmp_path, 2, ["1,2,0,1", "1,2,0,2", "2,1,0,2"], engine="sglang")
+    for record in (by_rank, per_rank, stages):
         assert record["prompts_checked"] > 0 and record["max_log_prob_difference"] < 1e-4
+        assert record["sharded_push"]["tensors_compared"] > 0 and record["sharded_push"]["differing"] == []
     assert "per_rank_payloads_checked" not in by_rank and per_rank["per_rank_payloads_checked"] > 1
+    # Training TP2 -> generation TP2: each worker opens its own rank's handle, and the only bytes that
+    # cross ranks are the vocab rows SGLang gives another rank than Megatron does: it pads 180 rows
+    # to 192 (rows 96.. on rank 1), Megatron to 256 (rows 128.. on rank 1), so rows 96..127 of the
+    # embedding and the LM head (64 wide, fp32) go from rank 0 to rank 1. Where the paddings agree
+    # (Qwen3's 151936 and Llama 3's 128256 rows at TP 1..8) nothing moves: tests/test_plan.py.
+    assert per_rank["sharded_push"]["max_received"] == 2 * 32 * 64 * 4 and per_rank["sharded_push"]["output"] > 0
+    # TP2 -> TP1 and PP2 -> TP2 move what the ranks lack, and less than the full push.
+    for record in (by_rank, stages):
+        assert 0 < record["sharded_push"]["max_received"] <= record["full"]["received"]
+    assert stages["sharded_push"]["max_received"] < stages["full"]["received"]

@@ -30,7 +30,7 @@ from parallel.hybrid_engine import (
     split_for_generation,
     tensor_fingerprint,
 )
-from parallel.hybrid_engine.spec import chunk_range
+from parallel.hybrid_engine.spec import SliceRange, chunk_range
 from parallel.layout import LayoutError
 
 
@@ -252,6 +252,34 @@ def test_plan_moves_exactly_the_missing_slices(pp, tp, dp, vpp, tg, target):
     model = plan.model_bytes()
     if target is ReshardTarget.FULL:
         assert all(plan.traffic(r).output == model for r in range(plan.layout.world_size))
+
+
+@pytest.mark.parametrize("pp, tp, dp, vpp, tg", LAYOUTS)
+def test_a_generation_padding_of_its_own_moves_exactly_the_missing_real_rows(pp, tp, dp, vpp, tg):
+    # 60 vocab rows: Megatron pads them to a multiple of 8 x TP (64); the engine pads to a multiple
+    # of tg (60 where tg divides 60; SGLang pads to 64, x tg where needed), so its generation
+    # slices straddle the training slices and the vocab tensors move directly, real rows only.
+    import dataclasses
+
+    specs = tiny_specs(pp, tp, vpp, groups=8, layers=max(4, pp * vpp), vocab=60)
+    engine_rows = math.ceil(60 / tg) * tg
+    specs = [dataclasses.replace(spec, hf_tensors=tuple(dataclasses.replace(t, generation_padded_length=engine_rows)
+                                                        for t in spec.hf_tensors))
+             if spec.megatron_name in ("embedding", "lm_head") else spec for spec in specs]
+    plan = ReshardPlan(hybrid(pp, tp, dp, vpp, tg), specs, ReshardTarget.SHARDED, torch.float32)
+    vocab = [t for t in plan.tensors if t.name in ("embed", "lm_head")]
+    assert len(vocab) == 2 and all(plan.direct(t) == plan.generation_padding_differs(t) for t in vocab)
+    assert all(plan.direct(t) for t in vocab) == (60 % tg == 0)
+    received = simulate(plan)
+    for rank in range(plan.layout.world_size):
+        traffic = plan.traffic(rank)
+        assert traffic.lower_bound == received[rank] * 4
+        if 60 % tg == 0:  # (else the pipeline phase moves Megatron's padding rows too, as before)
+            assert traffic.received == traffic.lower_bound
+        g = plan.layout.generation_coordinates(rank).tensor
+        for tensor in vocab:  # the engine's rows of generation rank g, real ones only
+            per_rank = engine_rows // tg
+            assert tensor.real(plan.need(tensor, rank)) == SliceRange(g * per_rank, min(60, (g + 1) * per_rank))
 
 
 # (pp, tp, dp, tg, ep): experts split over 2, 4 or 8 expert ranks, with TP, PP and data parallelism

@@ -193,3 +193,23 @@ def test_an_external_server_address_that_refuses_connections_stops_the_wait(monk
     assert time.monotonic() - started < 10
     with pytest.raises(RolloutError, match="was not ready after 4s"):
         attached(False, 4).wait_until_ready()
+
+
+def test_sglang_vocab_padding_and_what_the_sharded_loader_covers():
+    """SGLang pads vocab rows to a multiple of 64, or of 64 x TP where that does not split evenly
+    (``VocabParallelEmbedding.__init__``); the sharded push covers a model whose key/value heads split
+    over the generation TP and whose query groups Megatron does not pad."""
+    import transformers
+
+    from engine.models.hf_config import architecture_from_hf
+    from engine.rollout.sglang_presharded import vocab_rows
+    from engine.sync.weight_sync import presharded_refusal
+
+    assert [vocab_rows(180, 2), vocab_rows(151936, 8), vocab_rows(128256, 8), vocab_rows(100, 3)] == [192, 151936, 128256, 192]
+    llama = architecture_from_hf(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        vocab_size=100, max_position_embeddings=64))
+    assert presharded_refusal(llama, 2, 2) is None
+    assert "2 key/value heads (of 8 query heads) do not split over rollout.tensor_model_parallel_size=4" in \
+        presharded_refusal(llama, 2, 4)
+    assert "Megatron pads the 2 query groups to 4" in presharded_refusal(llama, 4, 2)

@@ -14,6 +14,8 @@ from engine.config.model import MegatronConfig, OptimConfig, PolicyModelConfig
 
 ROLLOUT_MODES = ("colocated", "disaggregated")
 ROLLOUT_DTYPES = ("bfloat16", "float16", "float32")
+WEIGHT_SYNC_TARGETS = ("sharded", "full")
+LORA_SYNCS = ("merged", "adapters")
 
 
 @dataclass
@@ -183,6 +185,19 @@ class RolloutConfig(SamplingConfig):
             rollout's log-probs (the PPO ``old_log_prob``); defaults to the actor's micro-batch.
         log_prob_max_token_len_per_gpu: the same with dynamic batching; defaults to the actor's.
         update_weights_bucket_megabytes: size of the buckets the weights travel in to the engine.
+        weight_sync_target: what each generation GPU receives from the training GPUs in colocated
+            mode with SGLang. "sharded": exactly its own shard in SGLang's layout, handed to its own
+            TP worker and copied into place there (no re-sharding; the bytes lower bound). "full":
+            every tensor whole on every generation GPU, SGLang's loader slices it (tp times the
+            bytes; the way every SGLang user pushes). Where the sharded loader does not cover the
+            model (fewer key/value heads than generation TP, Megatron's padded query groups), the
+            sync says so once at start and pushes full tensors. The embedded engines take full
+            tensors; so do servers of their own (SGLang 0.5's ``/update_weights_from_distributed``
+            broadcasts one tensor list to every TP worker of the group and slices it there).
+        lora_sync: with ``model.lora_rank > 0``, what each sync pushes. "merged": W + scaling B A
+            for every weight, a whole model per step; "adapters": only the LoRA adapters, the
+            engine serving the base weights with LoRA enabled (SGLang's dynamic LoRA loading from
+            tensors; the embedded engine the same), so a sync moves the adapters' bytes.
         check_weight_sync: after every weight update, check that the engine serves the actor's
             weights and fail loudly if not: the embedded engine's tensors are compared with
             fingerprints of the training shards (exact); for servers that cannot show their
@@ -221,6 +236,8 @@ class RolloutConfig(SamplingConfig):
     log_prob_micro_batch_size_per_gpu: int | None = None
     log_prob_max_token_len_per_gpu: int = 16384
     update_weights_bucket_megabytes: float = 512.0
+    weight_sync_target: str = "sharded"
+    lora_sync: str = "merged"
     check_weight_sync: bool = False
     check_weight_sync_tolerance: float = 0.1
     startup_timeout_s: float = 1800.0

@@ -23,7 +23,8 @@ class ModelConfig:
             recompute of every layer: less memory, one more forward).
         lora_rank: LoRA rank (Hu et al. 2021); 0 trains all weights. With a rank > 0 only the
             adapters train (``engine.models.lora``), the reference is the actor with its adapters
-            off, and the rollout engine receives the merged weights. Built for the actor only.
+            off, and the rollout engine receives the merged weights (or the adapters alone:
+            ``actor_rollout_ref.rollout.lora_sync=adapters``). Built for the actor only.
         lora_alpha: LoRA scaling numerator (the update is scaled by lora_alpha / lora_rank).
         target_modules: the adapted projections, PEFT's names: "all-linear" or a list of q_proj,
             k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (megatron fuses q/k/v and gate/up,

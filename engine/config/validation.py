@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from engine.config.actor_rollout_ref import ROLLOUT_DTYPES, ROLLOUT_MODES
+from engine.config.actor_rollout_ref import LORA_SYNCS, ROLLOUT_DTYPES, ROLLOUT_MODES, WEIGHT_SYNC_TARGETS
 from engine.config.algorithm import FILTER_GROUP_METRICS, GROUP_ESTIMATORS
 from engine.config.data import TRUNCATION_MODES
 from engine.config.errors import ConfigError
@@ -72,6 +72,8 @@ def _check_choices(config: ExperimentConfig) -> None:
         (f"{ROLLOUT}.name", arr.rollout.name, ROLLOUT_ENGINE_NAMES),
         (f"{ROLLOUT}.mode", arr.rollout.mode, ROLLOUT_MODES),
         (f"{ROLLOUT}.dtype", arr.rollout.dtype, ROLLOUT_DTYPES),
+        (f"{ROLLOUT}.weight_sync_target", arr.rollout.weight_sync_target, WEIGHT_SYNC_TARGETS),
+        (f"{ROLLOUT}.lora_sync", arr.rollout.lora_sync, LORA_SYNCS),
         ("algorithm.adv_estimator", algorithm.adv_estimator, registry.names("adv_estimator")),
         ("algorithm.kl_penalty", algorithm.kl_penalty, registry.names("kl_estimator")),
         ("algorithm.kl_ctrl.type", algorithm.kl_ctrl.type, registry.names("kl_controller")),
@@ -242,6 +244,14 @@ def _check_ranges(config: ExperimentConfig) -> None:
              f"{ACTOR}.use_rollout_log_probs", True,
              f"false with {ROLLOUT}.check_weight_sync (the check compares the engine's log-probs with the "
              "actor's recomputed ones, which use_rollout_log_probs skips)")
+    if rollout.lora_sync == "adapters":
+        _require(arr.model.lora_rank > 0, f"{ROLLOUT}.lora_sync", "adapters",
+                 "merged without LoRA (actor_rollout_ref.model.lora_rank=0: there are no adapters to push)")
+        _require(rollout.name in ("sglang", "torch"), f"{ROLLOUT}.lora_sync", "adapters",
+                 f"merged with {ROLLOUT}.name={rollout.name!r} (adapters-only sync is built for 'sglang' and 'torch')")
+        _require(rollout.mode == "colocated", f"{ROLLOUT}.lora_sync", "adapters",
+                 "merged with servers of their own (mode=disaggregated): SGLang takes adapters as tensors only "
+                 "through host shared memory, which servers elsewhere cannot open (not built)")
     _check_sampling(ROLLOUT, rollout)
     _check_sampling(f"{ROLLOUT}.val_kwargs", rollout.val_kwargs)
     if algorithm.uses_critic:

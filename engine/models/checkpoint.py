@@ -291,10 +291,7 @@ def save_peft_adapter(model_chunks: Sequence[torch.nn.Module], out_dir: str | Pa
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         save_file(state_dict, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
-        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank, "lora_alpha": settings.alpha,
-                  "target_modules": settings.peft_target_modules(), "lora_dropout": 0.0, "bias": "none",
-                  "fan_in_fan_out": False, "inference_mode": True,
-                  "base_model_name_or_path": str(base_model_name_or_path)}
+        config = {**settings.peft_config(), "base_model_name_or_path": str(base_model_name_or_path)}
         (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
     dist.barrier()
 

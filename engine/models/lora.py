@@ -87,6 +87,23 @@ class LoRASettings:
         layers = self.megatron_layers()
         return [name for name, layer in HF_TARGETS.items() if layer in layers]
 
+    def peft_config(self) -> dict:
+        """PEFT's ``adapter_config.json`` fields for these adapters (as ``peft_tensors`` names them)."""
+        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.alpha,
+                "target_modules": self.peft_target_modules(), "lora_dropout": 0.0, "bias": "none",
+                "fan_in_fan_out": False, "inference_mode": True}
+
+    def peft_elements(self, architecture) -> int:
+        """Elements of the PEFT adapters of ``architecture`` (every part of a fused layer has its own
+        copy of A, as ``peft_tensors`` exports them): what an adapters-only sync moves."""
+        from engine.models.weight_mapping import weight_mappings
+
+        layers = self.megatron_layers()
+        return sum(self.rank * (shape[0] + shape[1])
+                   for entry in weight_mappings(architecture, transformer_engine=False)
+                   if entry.megatron_name.endswith(tuple(f".{layer}.weight" for layer in layers))
+                   for shape in entry.hf_shapes)
+
 
 class LoRAAdapter(torch.nn.Module):
     """``scaling * B A x`` for one megatron linear layer (see the module docstring for the split)."""

@@ -199,6 +199,15 @@ class RolloutEngine(abc.ABC):
     def end_weight_update(self) -> None:
         """Close the session; cached prefixes computed with the old weights are dropped."""
 
+    def push_adapters(self, tensors: dict[str, torch.Tensor], peft_config: dict) -> None:
+        """Serve the base model with these LoRA adapters from now on (``rollout.lora_sync=adapters``):
+        PEFT's tensor names (``base_model.model.<module>.lora_A.weight``) and ``adapter_config.json``
+        fields. They replace the adapters pushed before; a weight push (``begin_weight_update``)
+        drops them, since the merged weights it brings already hold them. The base weights stay as
+        loaded, across ``release_memory`` too."""
+        raise WeightUpdateError(f"{type(self).__name__} does not serve LoRA adapters; use "
+                                "actor_rollout_ref.rollout.lora_sync=merged")
+
     def set_weight_version(self, version: int) -> None:
         """Name the weights just pushed (the policy version that trains from them); engines that
         tag each sampled token with it (``RolloutSample.policy_versions``) override this."""

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from engine.config.actor_rollout_ref import RolloutConfig
+from engine.models.lora import LoRASettings
 from engine.rollout.base import (
     MEMORY_TAGS,
     PauseMode,
@@ -49,6 +50,7 @@ from engine.rollout.base import (
     validate_prompts,
 )
 from engine.rollout.sglang_cpu import memory_occupation_control_supported
+from engine.rollout.sglang_presharded import LOADER as PRESHARDED_LOADER
 from engine.rollout.sglang_server import (SGLangServer, SGLangServerConfig, SGLangServerCrashed, feature_args,
                                           wait_reporting)
 from parallel.state import find_free_port
@@ -56,6 +58,8 @@ from parallel.state import find_free_port
 logger = logging.getLogger(__name__)
 
 WeightTransport = Literal["tensor", "distributed"]
+# The name the servers hold the pushed LoRA adapters under (``push_adapters``).
+ADAPTER_NAME = "trident-actor"
 
 
 @dataclasses.dataclass
@@ -96,6 +100,9 @@ class SGLangRolloutConfig:
     # MoE: ask the servers for the experts each token was routed to (--enable-return-routed-experts;
     # the actor replays them, ``actor.megatron.moe_router_replay``).
     return_routed_experts: bool = False
+    # ``rollout.lora_sync=adapters``: the servers start with LoRA enabled for these adapters and
+    # take them with ``push_adapters`` (None: no LoRA in the servers).
+    lora: LoRASettings | None = None
 
     def __post_init__(self) -> None:
         tp = self.rollout.tensor_model_parallel_size
@@ -118,12 +125,14 @@ class SGLangRolloutConfig:
             raise ValueError(f"SGLangRolloutConfig.weight_transport={self.weight_transport!r} must be 'tensor' or 'distributed'")
 
 
-def serialize_weights(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor]:
+def serialize_weights(named_tensors: Sequence[tuple[str, torch.Tensor]], *,
+                      presharded: bool = False) -> tuple[str, torch.Tensor]:
     """One ``/update_weights_from_tensor`` payload of ``named_tensors``, made by this process: the
     tensors flattened into one fresh buffer (bounded by the bucket size: the caller's tensors are never
     moved into shared memory) and passed by handle, a CUDA IPC handle into this process's GPU memory
     or, on CPU, a shared-memory file this process created. Returns the payload and the buffer, which
-    must stay alive until the server has loaded it."""
+    must stay alive until the server has loaded it. ``presharded``: a TP rank's own shards for the
+    presharded loader, which takes (name, tensor) pairs: views into the one buffer, one handle."""
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
@@ -141,6 +150,8 @@ def serialize_weights(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> tupl
 
         monkey_patch_torch_reductions()
     payload = {"flattened_tensor": flat, "metadata": bucket.get_metadata()}
+    if presharded:
+        payload = bucket.reconstruct_tensors()
     return MultiprocessingSerializer.serialize(payload, output_str=True), flat
 
 
@@ -274,8 +285,8 @@ class SGLangRolloutEngine(RolloutEngine):
                     max_total_tokens=config.max_total_tokens,
                     random_seed=config.random_seed,
                     trust_remote_code=config.trust_remote_code,
-                    extra_args=tuple(config.extra_server_args) + feature_args(config.rollout,
-                                                                              config.return_routed_experts),
+                    extra_args=tuple(config.extra_server_args) + feature_args(
+                        config.rollout, config.return_routed_experts, config.lora),
                     api_key=config.api_key,
                 )
             )
@@ -294,6 +305,8 @@ class SGLangRolloutEngine(RolloutEngine):
         self.dead: dict[int, SGLangServerCrashed] = {}
         self.restarts = 0
         self._session_lost_a_server = False
+        # The servers (by index) that hold the pushed LoRA adapters; generation names them.
+        self._adapter_servers: set[int] = set()
         self._closed = False
         try:
             for server in self.servers:
@@ -377,7 +390,8 @@ class SGLangRolloutEngine(RolloutEngine):
                 self.servers[target].post,
                 "/generate",
                 {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True,
-                 **({"return_routed_experts": True} if self._routed_layout is not None else {})},
+                 **({"return_routed_experts": True} if self._routed_layout is not None else {}),
+                 **({"lora_path": ADAPTER_NAME} if target in self._adapter_servers else {})},
                 self.config.rollout.request_timeout_s,
             )
             for target, prompt in zip(targets, prompts)
@@ -417,10 +431,35 @@ class SGLangRolloutEngine(RolloutEngine):
             raise WeightUpdateError("a weight-update session is already open; call end_weight_update() first")
         self._in_weight_update, self._session_lost_a_server = True, bool(self.dead)
         self._session_transport = self.weight_transport
+        self._unload_adapters()  # the merged weights being pushed hold them
         if self.weight_transport == "distributed" and self._weight_update_group is None and not self.dead:
             self._init_weight_update_group()
         if self.owns_servers:
             self._weight_request_on_all_servers("/begin_weight_update", {})
+
+    def push_adapters(self, tensors: dict[str, torch.Tensor], peft_config: dict) -> None:
+        """SGLang's ``/load_lora_adapter_from_tensors`` on every server, after unloading the adapters
+        pushed before. The tensors travel by handle as host shared memory, one payload per TP rank
+        (each TP worker opens its own; SGLang slices the adapters for its rank)."""
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        if self.config.lora is None:
+            raise WeightUpdateError("push_adapters(): these SGLang servers were started without LoRA "
+                                    "(SGLangRolloutConfig.lora)")
+        self._unload_adapters()
+        torch.multiprocessing.set_sharing_strategy("file_system")  # as serialize_weights, for CPU tensors
+        host = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
+        payloads = [MultiprocessingSerializer.serialize(host, output_str=True)
+                    for _ in range(self.config.rollout.tensor_model_parallel_size)]
+        self._weight_request_on_all_servers("/load_lora_adapter_from_tensors", {
+            "lora_name": ADAPTER_NAME, "config_dict": peft_config, "serialized_named_tensors": payloads})
+        self._adapter_servers = {index for index, _ in self._live_servers()}
+        del host  # the servers have copied them
+
+    def _unload_adapters(self) -> None:
+        if self._adapter_servers & {index for index, _ in self._live_servers()}:
+            self._weight_request_on_all_servers("/unload_lora_adapter", {"lora_name": ADAPTER_NAME})
+        self._adapter_servers = set()
 
     def push_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         if not self._in_weight_update:
@@ -440,11 +479,14 @@ class SGLangRolloutEngine(RolloutEngine):
         self._post_payloads(list(payloads))
         del flats  # the servers have loaded them
 
-    def push_serialized_weights(self, named_shapes: Sequence[tuple[str, tuple[int, ...]]], payloads: Sequence[str]) -> None:
+    def push_serialized_weights(self, named_shapes: Sequence[tuple[str, tuple[int, ...]]], payloads: Sequence[str], *,
+                                presharded: bool = False) -> None:
         """Push one bucket that every TP rank of the replica serialized itself (``serialize_weights``):
-        ``payloads[g]`` goes to the server's TP rank g. ``named_shapes``: the bucket's tensors, checked
-        against the checkpoint as ``push_weights`` checks them. The payloads' tensors must stay alive
-        in their processes until this returns."""
+        ``payloads[g]`` goes to the server's TP rank g. ``named_shapes``: the bucket's tensors and
+        their whole shapes, checked against the checkpoint as ``push_weights`` checks them.
+        ``presharded``: each payload holds its rank's shards, which the presharded loader copies into
+        place (``engine.rollout.sglang_presharded``). The payloads' tensors must stay alive in their
+        processes until this returns."""
         if not self._in_weight_update or self._session_transport != "tensor":
             raise WeightUpdateError("push_serialized_weights() outside a tensor-transport weight-update session")
         if len(payloads) != self.config.rollout.tensor_model_parallel_size:
@@ -452,10 +494,10 @@ class SGLangRolloutEngine(RolloutEngine):
                                     f"tensor_model_parallel_size={self.config.rollout.tensor_model_parallel_size}")
         self._validate_bucket(named_shapes)
         if not self._session_lost_a_server:
-            self._post_payloads(list(payloads))
+            self._post_payloads(list(payloads), PRESHARDED_LOADER if presharded else "flattened_bucket")
 
-    def _post_payloads(self, payloads: list[str]) -> None:
-        request = {"serialized_named_tensors": payloads, "load_format": "flattened_bucket", "flush_cache": False}
+    def _post_payloads(self, payloads: list[str], load_format: str = "flattened_bucket") -> None:
+        request = {"serialized_named_tensors": payloads, "load_format": load_format, "flush_cache": False}
         self._weight_request_on_all_servers("/update_weights_from_tensor", request)
 
     def _init_weight_update_group(self) -> None:
@@ -619,6 +661,7 @@ class SGLangRolloutEngine(RolloutEngine):
                            server.url, self.restarts + 1, self.max_restarts)
             server.restart()
             del self.dead[index]
+            self._adapter_servers.discard(index)  # it serves its start-up weights alone
             self.restarts += 1
         return len(restarted)
 

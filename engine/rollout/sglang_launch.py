@@ -6,9 +6,10 @@ each switched on by the environment the server is started with (``engine.rollout
   (``/proc/<pid>/cmdline``, ``ps``), and SGLang 0.5 logs its ``server_args`` with ``api_key`` in
   clear; here its start-up log shows ``<redacted>`` in its place.
 - ``TRIDENT_SGLANG_UNPINNED_HOST=1`` (set on CPU only, by ``engine.rollout.sglang_cpu``): SGLang's
-  host buffers (the routed-experts capture of ``--enable-return-routed-experts`` among them) are
-  allocated in plain memory: it pins them with ``cudaHostRegister``, which needs CUDA. The CPU
-  stand-in for pinned memory; nothing else of the capture changes.
+  host buffers (the routed-experts capture of ``--enable-return-routed-experts``, the LoRA layers'
+  offsets and adapter pool of ``--enable-lora``) are allocated in plain memory: it pins them with
+  ``cudaHostRegister`` or ``pin_memory=True``, which need CUDA. The CPU stand-in for pinned
+  memory; nothing else changes.
 - ``TRIDENT_SGLANG_FORK=1`` (set on CPU only, by ``engine.rollout.sglang_cpu``): SGLang's scheduler
   and detokenizer processes are forked from the launcher, which has already imported SGLang, instead
   of spawned. SGLang forces the ``spawn`` start method because CUDA cannot be forked; a spawned
@@ -52,12 +53,26 @@ def _fork_subprocesses() -> None:
 
 def _unpinned_host_memory() -> None:
     """SGLang's host-buffer allocator for ``cpu``, without ``cudaHostRegister``."""
+    import torch
     from sglang.srt.mem_cache.pool_host import common
 
     def allocate(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
         return allocator.allocate(dims, dtype=dtype, device=device)
 
     common.ALLOC_MEMORY_FUNCS["cpu"] = allocate
+    # Its LoRA layers and adapter pool pin their host copies the same way (``pin_memory=True``).
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+    for factory in ("tensor", "empty", "zeros"):
+        setattr(torch, factory, _unpinned(getattr(torch, factory)))
+
+
+def _unpinned(factory):
+    import functools
+
+    @functools.wraps(factory)
+    def unpinned(*args, pin_memory=False, **kwargs):
+        return factory(*args, **kwargs)
+    return unpinned
 
 
 def main() -> None:

@@ -29,6 +29,7 @@ from engine.config.actor_rollout_ref import RolloutConfig
 from engine.lifecycle import forget_process_group, watch_process_group
 from engine.rollout.base import RolloutError
 from engine.rollout.sglang_cpu import adapt_server_for_cpu, needs_cpu_adaptation
+from engine.rollout.sglang_presharded import LOADER as PRESHARDED_LOADER
 from engine.rollout.sglang_launch import API_KEY_ENV
 from parallel.state import find_free_port
 
@@ -82,7 +83,7 @@ class SGLangServerConfig:
     python_executable: str = sys.executable
 
 
-def feature_args(rollout: RolloutConfig, return_routed_experts: bool) -> tuple[str, ...]:
+def feature_args(rollout: RolloutConfig, return_routed_experts: bool, lora=None) -> tuple[str, ...]:
     """The server flags Trident's features need, wherever the server is started from.
 
     - ``return_routed_experts`` (``actor.megatron.moe_router_replay``): the server records the
@@ -90,9 +91,15 @@ def feature_args(rollout: RolloutConfig, return_routed_experts: bool) -> tuple[s
     - ``rollout.partial_rollout``: no prefix cache. SGLang flushes it after a push only when idle,
       which servers whose generations go on across pushes never are, so a new request could start
       from a prefix computed by weights older than ``trainer.max_staleness``.
+    - ``lora`` (a ``LoRASettings``, with ``rollout.lora_sync=adapters``): LoRA enabled for adapters
+      of that rank on those modules, one adapter per batch (the actor's), and the base weights
+      backed up in host memory when released (``--enable-weights-cpu-backup``), since no sync
+      brings them back.
     """
+    adapters = ("--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules",
+                *lora.peft_target_modules(), "--max-loras-per-batch", "1", "--enable-weights-cpu-backup") if lora else ()
     return (("--enable-return-routed-experts",) if return_routed_experts else ()) + (
-        ("--disable-radix-cache",) if rollout.partial_rollout else ())
+        ("--disable-radix-cache",) if rollout.partial_rollout else ()) + adapters
 
 
 def live_processes_in_group(process_group: int) -> list[int]:
@@ -212,6 +219,8 @@ class SGLangServer:
             # An idle scheduler otherwise spins a CPU core per server for the whole training phase
             # (measured: 94-100% of a core on CPU), taking it from the trainer's own processes.
             "--sleep-on-idle",
+            # The sharded weight push: each TP worker copies its own shards into place.
+            "--custom-weight-loader", PRESHARDED_LOADER,
         ]
         if cfg.skip_tokenizer_init:
             args.append("--skip-tokenizer-init")

@@ -150,10 +150,11 @@ class TorchRolloutEngine(RolloutEngine):
         pad_token_id: the left-padding id; None: the model's pad_token_id, else 0 (padding is
             masked, any id works).
         trust_remote_code: ``model.trust_remote_code``.
+        lora: the actor's ``LoRASettings`` with ``rollout.lora_sync=adapters`` (``push_adapters``).
     """
 
     def __init__(self, model_path: str, rollout: RolloutConfig, *, device: str | None = None, max_batch_size: int = 64,
-                 pad_token_id: int | None = None, trust_remote_code: bool = False):
+                 pad_token_id: int | None = None, trust_remote_code: bool = False, lora=None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
         self.max_batch_size = max_batch_size
@@ -179,6 +180,17 @@ class TorchRolloutEngine(RolloutEngine):
         self._in_weight_update = False
         self._released: set[str] = set()  # memory tags given back by release_memory
         self._released_shapes: dict[str, torch.Size] = {}
+        # LoRA (``lora``, rollout.lora_sync=adapters): PEFT's layers around the model's from the start
+        # (B = 0: the base model until the first ``push_adapters``); their config while they serve,
+        # and the base weights kept in host memory while released (no push brings them back).
+        self._adapter_config: dict | None = None
+        self._host_weights: dict[str, torch.Tensor] = {}
+        if lora is not None:
+            import peft
+
+            self._adapter_config = lora.peft_config()
+            self.model = peft.get_peft_model(self.model, peft.get_peft_config(dict(self._adapter_config)))
+            self.model.eval()
 
     # ----------------------------------------------------------------------------- generation
 
@@ -267,6 +279,27 @@ class TorchRolloutEngine(RolloutEngine):
         if self._in_weight_update:
             raise WeightUpdateError("a weight-update session is already open; call end_weight_update() first")
         self._in_weight_update = True
+        if self._adapter_config is not None:  # the merged weights being pushed hold the adapters
+            self.model, self._adapter_config = self.model.unload(), None
+
+    @torch.no_grad()
+    def push_adapters(self, tensors: dict[str, torch.Tensor], peft_config: dict) -> None:
+        """PEFT's LoRA layers of the model, filled with ``tensors``."""
+        import peft
+
+        if WEIGHTS in self._released:
+            raise WeightUpdateError("push_adapters() while the weights are released; call resume_memory(['weights']) first")
+        if self._adapter_config is None:
+            raise WeightUpdateError("push_adapters(): this engine serves no LoRA adapters (started without `lora`, or a "
+                                    "merged weight push replaced them)")
+        if self._adapter_config != peft_config:
+            raise WeightUpdateError(f"adapters of another config ({peft_config}) than the served ones ({self._adapter_config})")
+        dtype = next(self.model.parameters()).dtype
+        result = peft.set_peft_model_state_dict(self.model, {name: t.to(self.device, dtype) for name, t in tensors.items()})
+        missing = [name for name in result.missing_keys if "lora_" in name]
+        if missing or result.unexpected_keys:
+            raise WeightUpdateError(f"the pushed adapters do not fit the model's LoRA layers: missing {missing[:3]}, "
+                                    f"unexpected {list(result.unexpected_keys)[:3]}")
 
     @torch.no_grad()
     def push_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -313,7 +346,14 @@ class TorchRolloutEngine(RolloutEngine):
         graphs, so that tag frees nothing.
         """
         tags = check_memory_tags(tags)
-        if WEIGHTS in tags and WEIGHTS not in self._released:
+        if WEIGHTS in tags and WEIGHTS not in self._released and self._adapter_config is not None:
+            # Serving adapters: no push brings the base weights back, so they wait in host memory
+            # (SGLang's --enable-weights-cpu-backup); on a CPU device they stay where they are.
+            if self.device.type != "cpu":
+                for name, param in self.model.named_parameters():
+                    self._host_weights[name] = param.data.to("cpu")
+                    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        elif WEIGHTS in tags and WEIGHTS not in self._released:
             # Parameters keep their identity (``_named_state`` and tied aliases point at them);
             # only their storage goes. Buffers (rotary frequencies) are tiny and stay.
             self._released_shapes = {name: param.shape for name, param in self.model.named_parameters()}
@@ -329,7 +369,10 @@ class TorchRolloutEngine(RolloutEngine):
         """Allocate the weights again (zero-filled, so the memory is really taken now, as a GPU
         allocation is); their values arrive with the next weight push."""
         tags = check_memory_tags(tags)
-        if WEIGHTS in tags and WEIGHTS in self._released:
+        if WEIGHTS in tags and WEIGHTS in self._released and self._host_weights:
+            for name, param in self.model.named_parameters():
+                param.data = self._host_weights.pop(name).to(param.device)
+        elif WEIGHTS in tags and WEIGHTS in self._released and self._released_shapes:
             for name, param in self.model.named_parameters():
                 param.data = torch.zeros(self._released_shapes[name], dtype=param.dtype, device=param.device)
             self._released_shapes = {}

@@ -32,7 +32,8 @@ def owner_of(megatron_name: str, architecture: ModelArchitecture, layout: Traini
     return pp - 1, vpp - 1  # final norm, output layer / value head
 
 
-def _hf_layouts(entry: ParamMapping, architecture: ModelArchitecture, tp_size: int) -> tuple[HFTensorLayout, ...]:
+def _hf_layouts(entry: ParamMapping, architecture: ModelArchitecture, tp_size: int,
+                generation_vocab_rows: int | None) -> tuple[HFTensorLayout, ...]:
     a = architecture
     head_dim, heads_per_group = a.kv_channels, a.heads_per_query_group
     padded_groups = a.padded_num_query_groups(tp_size)
@@ -47,7 +48,8 @@ def _hf_layouts(entry: ParamMapping, architecture: ModelArchitecture, tp_size: i
             padded = padded_groups * unit
         elif entry.padding is Padding.VOCAB:
             padded = a.padded_vocab_size(tp_size)
-        layouts.append(HFTensorLayout(name, tuple(shape), padded, unit))
+        generation = generation_vocab_rows if entry.padding is Padding.VOCAB else None
+        layouts.append(HFTensorLayout(name, tuple(shape), padded, unit, generation))
     return tuple(layouts)
 
 
@@ -57,8 +59,12 @@ def parameter_specs(
     *,
     value_head: bool = False,
     transformer_engine: bool | None = None,
+    generation_vocab_rows: int | None = None,
 ) -> list[ParameterSpec]:
-    """Specs of every exported parameter, in HF streaming order (the mapping's model order)."""
+    """Specs of every exported parameter, in HF streaming order (the mapping's model order).
+
+    ``generation_vocab_rows``: the generation engine's padded vocab rows where it pads its own way
+    (SGLang, for a sharded push), which decides each generation rank's vocab slice."""
     if transformer_engine is None:
         transformer_engine = use_transformer_engine()
     tp_size = layout.tensor_model_parallel_size
@@ -73,7 +79,7 @@ def parameter_specs(
             expert_owner = expert_index(entry.megatron_name) // experts_per_rank
         specs.append(ParameterSpec(
             megatron_name=entry.megatron_name,
-            hf_tensors=_hf_layouts(entry, architecture, tp_size),
+            hf_tensors=_hf_layouts(entry, architecture, tp_size, generation_vocab_rows),
             pipeline_rank=stage,
             virtual_pipeline_rank=chunk,
             tensor_parallel_dim=entry.tensor_parallel_dim,

@@ -9,9 +9,13 @@ in the collectives and drop what they receive, except for a colocated SGLang ser
 TP > 1: there every generation rank serializes the bucket it received itself (a CUDA IPC handle
 into its own GPU) and the leader sends the handles in TP order, so that no SGLang TP worker reads
 another GPU's memory (SGLang's own ``srt/weight_sync/utils.py`` does the same). ``ReshardTarget.FULL`` (the default) delivers full
-HF tensors to every generation rank, which is what SGLang's loader and the embedded HF engine take;
-``SHARDED`` delivers exactly each rank's generation shard, for consumers that place shards
-themselves (``iter_weight_shards``); ``sync`` refuses it for engines that only take full tensors.
+HF tensors to every generation rank, which is what SGLang's own loader and the embedded HF engine
+take; ``SHARDED`` delivers exactly each rank's generation shard. Into SGLang (colocated) each rank
+then hands its shards to its own TP worker, which copies them into place
+(``engine.rollout.sglang_presharded``): the bytes lower bound, and zero bytes across GPUs when
+training and generation TP agree. Where that loader does not cover the model the synchronizer
+falls back to FULL and says why (``fallback_reason``). ``iter_weight_shards`` gives the shards to
+other consumers; ``sync`` refuses SHARDED for engines that only take full tensors.
 ``STAGE`` (disaggregated servers outside the training world): TP rank 0 of each pipeline stage's
 data-parallel rank 0 pushes its stage's full tensors (``sync.pushes_weights``), each over its own
 weight-update group, inside the one session that global rank 0 (the servers' owner) opens.
@@ -27,9 +31,11 @@ import torch
 import torch.distributed as dist
 
 from engine.config.actor_rollout_ref import RolloutConfig
-from engine.models.lora import merged_weights
+from engine.models.checkpoint import export_peft_state_dict
+from engine.models.lora import has_lora, merged_weights
 from engine.rollout.base import RolloutEngine, SamplingParams
 from engine.rollout.memory import hand_back_bucket, record
+from engine.rollout.sglang_presharded import vocab_rows as sglang_vocab_rows
 from engine.sync.specs import local_parameters, parameter_specs, unwrap
 from parallel.hybrid_engine import (
     GenerationLayout,
@@ -78,6 +84,19 @@ class WeightSynchronizer:
         architecture = unwrap(self.model_chunks[0]).hf_architecture
         self.disaggregated = ReshardTarget(target) is ReshardTarget.STAGE
         self.layout = self.hybrid_layout(layout, rollout, target)
+        tg = self.layout.generation.tensor_model_parallel_size
+        # Why a sharded push into SGLang fell back to full tensors (None: it did not).
+        self.fallback_reason = None
+        if ReshardTarget(target) is ReshardTarget.SHARDED and rollout.name == "sglang":
+            self.fallback_reason = presharded_refusal(architecture, layout.tensor_model_parallel_size, tg)
+            target = "full" if self.fallback_reason else target
+        # Shards into SGLang's TP workers, placed there by the presharded loader.
+        self.pushes_shards = ReshardTarget(target) is ReshardTarget.SHARDED and rollout.name == "sglang"
+        # LoRA with rollout.lora_sync=adapters: each sync pushes the adapters only (``_push_adapters``).
+        self.adapters_only = rollout.lora_sync == "adapters" and has_lora([unwrap(c) for c in self.model_chunks])
+        # Whether ``sync`` checks the engine by fingerprints (rollout.check_weight_sync into the
+        # embedded engine, whole weights); otherwise the trainer compares the rollout's log-probs.
+        self.checks_by_fingerprint = rollout.check_weight_sync and rollout.name == "torch" and not self.adapters_only
         training = self.layout.training
         self.rank = dist.get_rank()
         coordinates = training.coordinates(self.rank)
@@ -86,7 +105,8 @@ class WeightSynchronizer:
                 parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_expert_model_parallel_rank(),
                 parallel_state.get_expert_tensor_parallel_rank()):
             raise ValueError("megatron's parallel state does not match the layout's rank order")
-        self.specs = parameter_specs(architecture, training)
+        self.specs = parameter_specs(architecture, training, generation_vocab_rows=(
+            sglang_vocab_rows(architecture.vocab_size, tg) if self.pushes_shards else None))
         self.dtype = getattr(torch, rollout.dtype)
         self.plan = ReshardPlan(self.layout, self.specs, ReshardTarget(target), self.dtype)
         self.groups = build_groups(self.layout, self.plan.tensor_gather_size)
@@ -96,7 +116,7 @@ class WeightSynchronizer:
         self.executor = ReshardExecutor(self.plan, self.groups, self._local_shard, device=device())
         self.is_replica_leader = self.layout.generation_coordinates(self.rank).tensor == 0
         self.serializes_per_rank = (rollout.name == "sglang" and not self.disaggregated
-                                    and self.layout.generation.tensor_model_parallel_size > 1)
+                                    and (tg > 1 or self.pushes_shards))
         # The ranks that hand weights to an engine (the others only take part in the collectives).
         self.pushes_weights = (self.plan.sends_stage(stage, self.rank) and coordinates.tensor == 0
                                if self.disaggregated else self.is_replica_leader)
@@ -130,8 +150,10 @@ class WeightSynchronizer:
         that cannot show their tensors (servers) are left to ``check_rollout_log_probs`` on the
         next rollout; ``report.checked_by_fingerprint`` says which happened.
         """
-        if engine is not None and self.plan.target is ReshardTarget.SHARDED:
-            raise ValueError("rollout engines take full HF tensors; use target 'full' or iter_weight_shards()")
+        if self.adapters_only:
+            return self._push_adapters(engine)
+        if engine is not None and self.plan.target is ReshardTarget.SHARDED and not self.pushes_shards:
+            raise ValueError("this rollout engine takes full HF tensors; use target 'full' or iter_weight_shards()")
         push_seconds = 0.0
         if engine is not None:
             engine.begin_weight_update()
@@ -164,6 +186,26 @@ class WeightSynchronizer:
         return report
 
 
+    def _push_adapters(self, engine: RolloutEngine | None) -> WeightSyncReport:
+        """The LoRA adapters, gathered whole on every rank (PEFT's names and layout, in the rollout
+        dtype), into the engine of each replica leader. Collective. The bytes reported are the
+        adapters' (what a sync moves); the base weights never move."""
+        start = time.perf_counter()
+        settings = unwrap(self.model_chunks[0]).lora_settings
+        with torch.no_grad():
+            tensors = {name: tensor.to(self.dtype) for name, tensor in
+                       export_peft_state_dict(self.model_chunks, destination_rank=None).items()}
+        size = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+        push_seconds = 0.0
+        if engine is not None:
+            pushed = time.perf_counter()
+            engine.push_adapters(tensors, settings.peft_config())
+            push_seconds = time.perf_counter() - pushed
+        record("push", adapters=len(tensors), pushed=engine is not None)
+        stats = ReshardStats(num_tensors=len(tensors), num_buckets=1, bytes_received=size, bytes_output=size,
+                             seconds=time.perf_counter() - start)
+        return WeightSyncReport(stats, size, size, push_seconds)
+
     def _push_serialized_by_every_rank(self, engine: RolloutEngine | None, bucket: list[WeightShard]) -> float:
         """Every generation rank of the replica serializes the bucket it holds; the leader (holding
         ``engine``) sends the payloads in TP order; every rank keeps its buffer until the server has
@@ -172,7 +214,7 @@ class WeightSynchronizer:
         from engine.rollout.sglang_engine import serialize_weights
 
         named = [(shard.name, shard.tensor) for shard in bucket]
-        payload, flat = serialize_weights(named)
+        payload, flat = serialize_weights(named, presharded=self.pushes_shards)
         group = self.groups.generation_tensor_control
         members = dist.get_process_group_ranks(group)
         leader = next(rank for rank in members if self.layout.generation_coordinates(rank).tensor == 0)
@@ -183,8 +225,9 @@ class WeightSynchronizer:
             by_tensor_rank = {self.layout.generation_coordinates(rank).tensor: item for rank, item in zip(members, gathered)}
             start = time.perf_counter()
             try:
-                engine.push_serialized_weights([(name, tuple(tensor.shape)) for name, tensor in named],
-                                               [by_tensor_rank[g] for g in range(len(members))])
+                engine.push_serialized_weights([(shard.name, shard.full_shape) for shard in bucket],
+                                               [by_tensor_rank[g] for g in range(len(members))],
+                                               presharded=self.pushes_shards)
             except Exception as error:  # the other ranks wait for the outcome: tell them, then raise
                 outcome = [f"{type(error).__name__}: {error}"]
                 dist.broadcast_object_list(outcome, src=leader, group=group)
@@ -195,6 +238,20 @@ class WeightSynchronizer:
         if outcome[0] is not None:
             raise WeightSyncError(f"the generation replica's leader (rank {leader}) failed to push a bucket: {outcome[0]}")
         return seconds
+
+
+def presharded_refusal(architecture, training_tp: int, generation_tp: int) -> str | None:
+    """Why SGLang's TP workers cannot take this model's shards as the HybridEngine cuts them
+    (None: they can). SGLang gives each TP rank num_kv_heads / TP key/value heads, or copies one
+    head to several ranks when TP exceeds them; Megatron's slices are whole query groups."""
+    a = architecture
+    if a.num_query_groups % generation_tp or a.num_attention_heads % generation_tp:
+        return (f"the model's {a.num_query_groups} key/value heads (of {a.num_attention_heads} query heads) do not "
+                f"split over rollout.tensor_model_parallel_size={generation_tp} (SGLang replicates them)")
+    if a.padded_num_query_groups(training_tp) != a.num_query_groups:
+        return (f"Megatron pads the {a.num_query_groups} query groups to {a.padded_num_query_groups(training_tp)} "
+                f"at tensor_model_parallel_size={training_tp}")
+    return None
 
 
 def engine_weights(engine: RolloutEngine, names: Iterable[str]) -> dict[str, torch.Tensor] | None:

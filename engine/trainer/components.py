@@ -159,7 +159,8 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
 
     n, seed, actor = arr.rollout.n, cfg.trainer.seed, arr.actor
     disaggregated = arr.rollout.mode == "disaggregated"
-    sync_target = "stage" if disaggregated else "full"
+    sync_target = "stage" if disaggregated else (
+        "sharded" if arr.rollout.name == "sglang" and arr.rollout.weight_sync_target == "sharded" else "full")
     engine = None
     if not disaggregated:
         engine = _start_colocated_engine(cfg, run, WeightSynchronizer.hybrid_layout(actor.megatron.layout(), arr.rollout,
@@ -194,6 +195,9 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
         reward_model = _build_reward_model(cfg, tokenizer)
 
     weight_sync = WeightSynchronizer(actor_role.model_chunks, actor.megatron.layout(), arr.rollout, target=sync_target)
+    if weight_sync.fallback_reason:
+        say(f"[trident] weight sync: full tensors on every generation GPU, not each GPU's shard "
+            f"(actor_rollout_ref.rollout.weight_sync_target=sharded): {weight_sync.fallback_reason}")
     if disaggregated:
         engine = _start_disaggregated_servers(cfg, run, weight_sync.pushes_weights)
     judge, judge_server = _start_judge(cfg, run) if cfg.reward_model.judge.enable else (None, None)
@@ -366,7 +370,10 @@ def _build_engine(cfg: ExperimentConfig, run: RunDirectory, layout: HybridLayout
     from engine.rollout.factory import create_rollout_engine
 
     rollout, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
-    if rollout.name in ("torch", "torch-process"):
+    lora = model.lora_settings(cfg.trainer.seed) if rollout.lora_sync == "adapters" else None
+    if rollout.name == "torch":
+        return create_rollout_engine(rollout, model.path, trust_remote_code=model.trust_remote_code, lora=lora)
+    if rollout.name == "torch-process":
         return create_rollout_engine(rollout, model.path, trust_remote_code=model.trust_remote_code)
     gpus: tuple[int, ...] = ()
     replica = layout.generation_coordinates(dist.get_rank()).replica
@@ -376,7 +383,8 @@ def _build_engine(cfg: ExperimentConfig, run: RunDirectory, layout: HybridLayout
                                    first_replica_index=replica,
                                    random_seed=cfg.trainer.seed + dist.get_rank(),
                                    trust_remote_code=model.trust_remote_code, extra_server_args=_server_metrics_args(cfg),
-                                   return_routed_experts=cfg.actor_rollout_ref.actor.megatron.moe_router_replay)
+                                   return_routed_experts=cfg.actor_rollout_ref.actor.megatron.moe_router_replay,
+                                   lora=lora)
     _register_server_metrics(cfg, run, engine)
     return engine
 

@@ -183,7 +183,7 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
     else:
         with phase("old_log_prob", metrics):
             batch.old_log_probs = parts.actor.compute_old_log_probs(batch, temperature, metrics)
-    if rollout.check_weight_sync and rollout.name != "torch":  # the embedded engine was checked by fingerprints
+    if rollout.check_weight_sync and not parts.weight_sync.checks_by_fingerprint:
         check_rollout_log_probs(rollout_log_probs, batch.old_log_probs, batch.response_mask,
                                 rollout.check_weight_sync_tolerance)
     if parts.reference is not None:

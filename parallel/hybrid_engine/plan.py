@@ -16,7 +16,9 @@ tensor-parallel size Te < T the owners' slices (1 / Te) do not line up with the 
 phases gather, and a SHARDED target with tg > T needs sub-slices of them, so there an expert's
 tensor skips every phase: each rank receives what it needs and lacks directly from the owners of
 the same expert-data rank (``direct_receives``), one piece per owner slice, which is the lower
-bound by construction.
+bound by construction. A SHARDED target into an engine that pads a tensor its own way
+(``HFTensorLayout.generation_padded_length``: SGLang's vocab rows) moves that tensor the same
+direct way, from the owners at the rank's data rank, real rows only.
 
 Two phases move exactly the missing slices (each needed slice is received once, none twice):
 
@@ -54,6 +56,7 @@ from parallel.hybrid_engine.spec import (
     SliceRange,
     check_divisible,
     chunk_range,
+    padded_length,
 )
 from parallel.layout import LayoutError
 
@@ -198,9 +201,17 @@ class ReshardPlan:
             if spec.expert_owner is not None:
                 split, key = self.etp, "expert_tensor_parallel_size"
             check_divisible(spec, split, f"{key}={split}")
-            if self.target is ReshardTarget.SHARDED:
+            own_padding = any(t.generation_padded_length not in (None, padded_length(t, spec.tensor_parallel_dim))
+                              for t in spec.hf_tensors)
+            if self.target is ReshardTarget.SHARDED and not own_padding:  # own padding: moved directly
                 check_divisible(spec, lcm(split, self.tg), f"lcm of {key}={split} and "
                                                            f"rollout.tensor_model_parallel_size={self.tg}")
+            for tensor in spec.hf_tensors:
+                if tensor.generation_padded_length is not None and (
+                        tensor.generation_padded_length % self.tg or tensor.generation_padded_length < tensor.shape[spec.tensor_parallel_dim]):
+                    raise ValueError(f"{tensor.name}: the generation engine's padded length "
+                                     f"{tensor.generation_padded_length} does not split into "
+                                     f"rollout.tensor_model_parallel_size={self.tg} slices of its {tensor.shape[spec.tensor_parallel_dim]} rows")
             for hf in spec.hf_tensors:
                 if hf.name in names:
                     raise ValueError(f"HF tensor {hf.name!r} is produced by two parameters; mark one as not exported")
@@ -214,7 +225,7 @@ class ReshardPlan:
         if tensor.dim is None or self.target in (ReshardTarget.FULL, ReshardTarget.STAGE):
             return chunk_range(tensor.layout, tensor.dim, 0, 1)
         g = self.layout.generation_coordinates(rank).tensor
-        return chunk_range(tensor.layout, tensor.dim, g, self.tg)
+        return chunk_range(tensor.layout, tensor.dim, g, self.tg, generation=True)
 
     def sends_stage(self, stage: int, rank: int) -> bool:
         """``STAGE``: whether ``rank`` assembles pipeline stage ``stage``'s tensors (data-parallel
@@ -225,9 +236,18 @@ class ReshardPlan:
     def direct(self, tensor: PlannedTensor) -> bool:
         """Whether ``tensor`` goes straight from its owners: an expert's at expert TP < TP, or for a
         SHARDED target with generation TP > TP (each rank needs a sub-slice of another stage's
-        experts, which the expert phase could only complete with the owner's whole slice)."""
-        sub_slices = self.target is ReshardTarget.SHARDED and self.tg > self.tp
-        return tensor.expert_owner is not None and (self.etp != self.tp or sub_slices)
+        experts, which the expert phase could only complete with the owner's whole slice); and for a
+        SHARDED target, a tensor the generation engine pads its own way (its generation slices do
+        not line up with the training slices the TP all-gather moves)."""
+        sharded = self.target is ReshardTarget.SHARDED
+        if sharded and self.generation_padding_differs(tensor):
+            return True
+        return tensor.expert_owner is not None and (self.etp != self.tp or (sharded and self.tg > self.tp))
+
+    @staticmethod
+    def generation_padding_differs(tensor: PlannedTensor) -> bool:
+        generation = tensor.layout.generation_padded_length
+        return tensor.dim is not None and generation is not None and generation != padded_length(tensor.layout, tensor.dim)
 
     def hold(self, tensor: PlannedTensor, rank: int, *, after_expert_phase: bool = False) -> SliceRange | None:
         """The training slice ``rank`` holds (with ``after_expert_phase``: also another expert rank's)."""
@@ -302,17 +322,20 @@ class ReshardPlan:
 
     def _direct_receives(self, tensor: PlannedTensor, rank: int) -> tuple[tuple[int, SliceRange], ...]:
         """The pieces of ``tensor`` that ``rank`` needs and lacks, each from the owner of its slice at
-        ``rank``'s expert-data rank (which spreads the senders over the expert-data replicas)."""
+        ``rank``'s expert-data rank (which spreads the senders over the expert-data replicas), or for
+        a dense tensor at ``rank``'s data and context ranks."""
         training = self.layout.training
         c = training.coordinates(rank)
         need, held = self.need(tensor, rank), self.hold(tensor, rank)
-        slices = self.etp if tensor.dim is not None else 1
+        expert = tensor.expert_owner is not None
+        slices = (self.etp if expert else self.tp) if tensor.dim is not None else 1
         pieces = []
         for index in range(slices):
             owned = chunk_range(tensor.layout, tensor.dim, index, slices)
-            piece = need.intersect(owned)
+            piece = tensor.real(need.intersect(owned))  # padding rows are never moved
             if piece.length > 0 and owned != held:
-                source = training.expert_rank(index, tensor.expert_owner, c.expert_data, tensor.pipeline_rank)
+                source = (training.expert_rank(index, tensor.expert_owner, c.expert_data, tensor.pipeline_rank) if expert
+                          else training.rank(index, c.context, c.data, tensor.pipeline_rank))
                 pieces.append((source, piece))
         return tuple(pieces)
 
@@ -321,8 +344,10 @@ class ReshardPlan:
         c = training.coordinates(rank)
         local = self.hold(tensor, rank)
         sends: tuple[tuple[int, SliceRange], ...] = ()
-        if local is not None:  # an owner: every rank of its expert-data rank may take a piece of its slice
-            sends = tuple((peer, span) for peer in self._ranks_of_expert_data[c.expert_data] if peer != rank
+        if local is not None:  # an owner: every rank of its expert-data (data) rank may take a piece of its slice
+            peers = (self._ranks_of_expert_data[c.expert_data] if tensor.expert_owner is not None
+                     else self._ranks_of_data[(c.data, c.context)])
+            sends = tuple((peer, span) for peer in peers if peer != rank
                           for source, span in self._direct_receives(tensor, peer) if source == rank)
         return TensorSteps(tensor, self.need(tensor, rank), local, direct_receives=self._direct_receives(tensor, rank),
                            direct_sends=sends)
@@ -333,6 +358,15 @@ class ReshardPlan:
         ranks: dict[int, list[int]] = {}
         for rank in range(training.world_size):
             ranks.setdefault(training.coordinates(rank).expert_data, []).append(rank)
+        return ranks
+
+    @cached_property
+    def _ranks_of_data(self) -> dict[tuple[int, int], list[int]]:
+        training = self.layout.training
+        ranks: dict[tuple[int, int], list[int]] = {}
+        for rank in range(training.world_size):
+            c = training.coordinates(rank)
+            ranks.setdefault((c.data, c.context), []).append(rank)
         return ranks
 
     # ------------------------------------------------------------------ bytes

@@ -61,6 +61,10 @@ class HFTensorLayout:
     # Rows (along the TP dimension) of one indivisible unit: a query group's q heads
     # (heads_per_group * head_dim) for q_proj, head_dim for k/v_proj, 1 otherwise.
     unit: int = 1
+    # The generation engine's own padded length, where it pads differently from Megatron (SGLang
+    # pads vocab rows to a multiple of 64, Megatron to one of 128 x TP): a ``SHARDED`` target
+    # delivers generation rank g the real rows of slice g of this length. None: Megatron's.
+    generation_padded_length: int | None = None
 
 
 @dataclass(frozen=True)
@@ -117,9 +121,14 @@ def padded_length(tensor: HFTensorLayout, dim: int | None) -> int:
     return tensor.padded_length if tensor.padded_length is not None else tensor.shape[dim]
 
 
-def chunk_range(tensor: HFTensorLayout, dim: int | None, index: int, count: int) -> SliceRange:
-    """Slice ``index`` of ``count`` equal slices along ``dim`` (padded coordinates, whole units)."""
+def chunk_range(tensor: HFTensorLayout, dim: int | None, index: int, count: int, *,
+                generation: bool = False) -> SliceRange:
+    """Slice ``index`` of ``count`` equal slices along ``dim`` (padded coordinates, whole units);
+    ``generation``: of the generation engine's padded length where it has its own. Padding rows
+    sit past the real length in both paddings, so both slicings share one coordinate system."""
     length = padded_length(tensor, dim)
+    if generation and dim is not None and tensor.generation_padded_length is not None:
+        length = tensor.generation_padded_length
     if dim is None:
         return SliceRange(0, length)
     size = length // count

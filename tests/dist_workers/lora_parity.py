@@ -12,7 +12,8 @@ give A no gradient), and runs:
   replica allows; fingerprint check on): its teacher-forced log-probs must equal the trainer's,
   its tensors the HF export's (adapters merged).
 
-``--engine sglang`` pushes the merged weights into a real SGLang server instead (and stops there).
+``--engine sglang`` pushes the adapters only and then the merged weights into a real SGLang server
+instead (and stops there).
 With ``--peft-dir`` the last layout also writes its PEFT folder there and the trainer's log-probs
 to ``--out-dir/trainer_log_probs.pt``, which the pytest side loads with ``peft``.
 """
@@ -85,44 +86,60 @@ def engine_log_probs(model, batch) -> torch.Tensor:
 
 
 def sync_into_sglang(chunks, layout, hf_dir: Path, run_dir: Path) -> dict:
-    """The merged weights pushed into a real SGLang server (fp32, generation TP 2, on rank 0): its
-    greedy log-probs against transformers holding the merged HF export (which the embedded-engine
-    case holds equal to the trainer), before the push (base weights: must differ) and after."""
+    """Into a real SGLang server with LoRA enabled (fp32, generation TP 2, on rank 0): first the
+    adapters only (``rollout.lora_sync=adapters``: the server keeps its base weights), then the merged
+    weights (which drop the adapter). After each, its greedy log-probs against transformers holding
+    the merged HF export (which the embedded-engine case holds equal to the trainer); before any
+    push they must differ (the base). The two pushes' greedy tokens and log-probs are compared too,
+    and the adapters push's bytes with the size of the PEFT adapters."""
     from engine.config import RolloutConfig
     from engine.models.checkpoint import export_hf_state_dict
     from engine.sync import WeightSynchronizer
+    from engine.sync.specs import unwrap
     from tests.dist_workers.reshard_sync import hf_reference_model
     from tests.rollout_support import start_cpu_sglang
 
     exported = export_hf_state_dict(chunks)
     generation_tp = 2  # the server's own TP: each rank serializes the shard it holds for its TP worker
-    sync = WeightSynchronizer(chunks, layout, RolloutConfig(tensor_model_parallel_size=generation_tp, dtype="float32"))
+    settings, architecture = unwrap(chunks[0]).lora_settings, unwrap(chunks[0]).hf_architecture
+    adapters_sync, merged_sync = (WeightSynchronizer(chunks, layout, RolloutConfig(
+        tensor_model_parallel_size=generation_tp, dtype="float32", lora_sync=mode)) for mode in ("adapters", "merged"))
+    assert adapters_sync.adapters_only and not merged_sync.adapters_only
     engine, merged, out = None, None, {}
-    if sync.is_replica_leader:
+    if merged_sync.is_replica_leader:
         merged = hf_reference_model(str(hf_dir), exported, str(run_dir / "merged"))
         engine = start_cpu_sglang(hf_dir, run_dir, rollout={"weight_update_timeout_s": 120,
-                                                             "tensor_model_parallel_size": generation_tp})
-        out["before_push"] = greedy_log_prob_difference(engine, merged)
-    sync.sync(engine)
+                                                             "tensor_model_parallel_size": generation_tp}, lora=settings)
+        out["before_push"], _ = greedy_log_prob_difference(engine, merged)
+    report = adapters_sync.sync(engine)
+    out["adapters_push"] = {"bytes": report.stats.bytes_received, "peft_bytes": settings.peft_elements(architecture) * 4}
     if engine is not None:
-        out["after_push"] = greedy_log_prob_difference(engine, merged)
+        out["after_adapters_push"], adapter_samples = greedy_log_prob_difference(engine, merged)
+    merged_sync.sync(engine)
+    if engine is not None:
+        out["after_push"], merged_samples = greedy_log_prob_difference(engine, merged)
+        out["same_tokens"] = [a.token_ids for a in adapter_samples] == [m.token_ids for m in merged_samples]
+        out["adapters_vs_merged"] = max(abs(a - m) for sa, sm in zip(adapter_samples, merged_samples)
+                                        for a, m in zip(sa.log_probs, sm.log_probs))
         engine.shutdown()
     return out
 
 
-def greedy_log_prob_difference(engine, model) -> dict:
-    """The engine's greedy log-probs (8 tokens each, EOS ignored) vs ``model``'s of the same tokens."""
+def greedy_log_prob_difference(engine, model) -> tuple[dict, list]:
+    """The engine's greedy log-probs (8 tokens each, EOS ignored) vs ``model``'s of the same tokens;
+    and the engine's samples."""
     from engine.rollout.base import SamplingParams
     from tests.dist_workers.reshard_sync import hf_log_probs
 
     prompts = [[5, 6, 7], [11, 3, 8, 2], [40, 41]]
-    samples = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+    samples = [sample for (sample,) in engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0,
+                                                                                ignore_eos=True))]
     worst, tokens = 0.0, 0
-    for prompt, (sample,) in zip(prompts, samples):
+    for prompt, sample in zip(prompts, samples):
         reference = hf_log_probs(model, prompt, sample.token_ids).double()
         worst = max(worst, float((reference - torch.tensor(sample.log_probs, dtype=torch.float64)).abs().max()))
         tokens += len(sample.token_ids)
-    return {"max_abs_difference": worst, "tokens": tokens}
+    return {"max_abs_difference": worst, "tokens": tokens}, samples
 
 
 def checkpoint_round_trip(actor, chunks, directory: Path, adapters: dict) -> dict:

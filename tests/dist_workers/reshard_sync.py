@@ -121,9 +121,9 @@ def payload_producers(engine) -> list[list[int]]:
     pushes: list[list[int]] = []
     push = engine.push_serialized_weights
 
-    def recorded(named_shapes, payloads):
+    def recorded(named_shapes, payloads, **options):
         pushes.append([int(re.search(rb"/torch_(\d+)_", base64.b64decode(p)).group(1)) for p in payloads])
-        return push(named_shapes, payloads)
+        return push(named_shapes, payloads, **options)
 
     engine.push_serialized_weights = recorded
     return pushes
@@ -144,6 +144,50 @@ def batched_point_to_point():
         yield issued
     finally:
         torch.distributed.batch_isend_irecv = batch
+
+
+PROBES = [[5, 6, 7], [9, 3, 12, 4]]
+
+
+def sglang_state(engine) -> dict:
+    """What an SGLang server serves: the checksum of every parameter on each of its TP workers
+    (SGLang's ``/weights_checker``), and the greedy tokens and log-probs of the probe prompts."""
+    import requests
+
+    from engine.rollout.base import SamplingParams
+
+    (server,) = engine.servers
+    answer = requests.post(f"{server.url}/weights_checker", json={"action": "checksum"}, timeout=120).json()
+    assert answer["success"], answer
+    checksums = {info["parallelism_info"][0]["tp_rank"]: info["checksums"] for info in answer["ranks"]}
+    samples = engine.generate(PROBES, SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    return {"checksums": checksums, "probes": [(s[0].token_ids, s[0].log_probs) for s in samples]}
+
+
+def push_sharded_into_sglang(chunks, layout, tg: int, bucket_megabytes: float, engine, record: dict) -> dict | None:
+    """The sharded push: each rank hands its own generation shard (SGLang's layout) to its own TP
+    worker. Every rank receives exactly the plan's lower bound, and each TP worker's payload was
+    made by the training rank of that generation TP rank. Returns the leader's ``sglang_state``."""
+    from engine.config import RolloutConfig
+    from engine.sync import WeightSynchronizer
+
+    sync = WeightSynchronizer(chunks, layout, RolloutConfig(
+        name="sglang", tensor_model_parallel_size=tg, update_weights_bucket_megabytes=bucket_megabytes,
+        dtype="float32"), target="sharded")
+    assert sync.pushes_shards and sync.serializes_per_rank and sync.fallback_reason is None
+    pushes = payload_producers(engine) if engine is not None else None
+    report = sync.sync(engine)
+    assert report.stats.bytes_received == report.lower_bound_bytes, (report.stats.bytes_received, report.lower_bound_bytes)
+    pids: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(pids, os.getpid())
+    received = torch.tensor([report.stats.bytes_received])
+    torch.distributed.all_reduce(received, op=torch.distributed.ReduceOp.MAX)
+    record["sharded_push"] = {"max_received": int(received), "output": sync.traffic.output}
+    if engine is None:
+        return None
+    replica = sorted(sync.groups.generation_tensor_ranks, key=lambda r: sync.layout.generation_coordinates(r).tensor)
+    assert pushes and all(producers == [pids[r] for r in replica] for producers in pushes), (pushes, replica, pids)
+    return sglang_state(engine)
 
 
 def run_case(case: str, hf_dir: str, bucket_megabytes: float, engine_name: str, run_dir: str) -> dict:
@@ -170,8 +214,8 @@ def run_case(case: str, hf_dir: str, bucket_megabytes: float, engine_name: str, 
 
     for target in ("full", "sharded"):
         sync = WeightSynchronizer(chunks, layout, RolloutConfig(
-            tensor_model_parallel_size=tg, update_weights_bucket_megabytes=bucket_megabytes, dtype="float32",
-            check_weight_sync=True), target=target)
+            name=engine_name, tensor_model_parallel_size=tg, update_weights_bucket_megabytes=bucket_megabytes,
+            dtype="float32", check_weight_sync=True), target=target)
         if target == "full":
             check_rank_map(sync.layout.training)
         received = 0
@@ -212,11 +256,27 @@ def run_case(case: str, hf_dir: str, bucket_megabytes: float, engine_name: str, 
                 pass
             else:
                 raise AssertionError("the engine matched the trained weights before any sync")
+    sharded_state = None
+    if engine_name == "sglang":  # the sharded push first: the server still holds other weights
+        sharded_state = push_sharded_into_sglang(chunks, layout, tg, bucket_megabytes, engine, record)
     full_sync = WeightSynchronizer(chunks, layout, RolloutConfig(
         name=engine_name, tensor_model_parallel_size=tg, update_weights_bucket_megabytes=bucket_megabytes,
-        dtype="float32", check_weight_sync=True))
+        dtype="float32", check_weight_sync=True), target="full")
     pushes = payload_producers(engine) if engine is not None and full_sync.serializes_per_rank else None
     report = full_sync.sync(engine)
+    if sharded_state is not None and engine is not None:
+        # SGLang's own loader, slicing the full tensors: every TP worker's parameters, the greedy
+        # tokens and their log-probs are the sharded push's, bit for bit.
+        full_state = sglang_state(engine)
+        assert full_state["checksums"].keys() == sharded_state["checksums"].keys()
+        record["sharded_push"]["differing"] = sorted({name for g, sums in full_state["checksums"].items()
+                                                      for name, value in sums.items()
+                                                      if sharded_state["checksums"][g].get(name) != value})
+        for (tokens, log_probs), (sharded_tokens, sharded_log_probs) in zip(full_state["probes"], sharded_state["probes"]):
+            # (the same weights bit for bit; batching and the prefix cache reorder fp32 sums)
+            assert tokens == sharded_tokens, (tokens, sharded_tokens)
+            assert max(abs(a - b) for a, b in zip(log_probs, sharded_log_probs)) < 1e-5, (log_probs, sharded_log_probs)
+        record["sharded_push"]["tensors_compared"] = sum(len(sums) for sums in full_state["checksums"].values())
     record["sync_seconds"] = report.stats.seconds
     pids: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(pids, os.getpid())
@@ -270,7 +330,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
+    from engine.lifecycle import start_reaper
     from parallel.state import destroy_model_parallel
+
+    start_reaper()  # a failed check must not leave this rank's SGLang servers behind (as launch.main)
 
     run_dir = str(Path(args.out).parent / "engines")
     records = [run_case(case, args.hf_dir, args.bucket_megabytes, args.engine, run_dir) for case in args.cases]
