@@ -4,7 +4,8 @@
 
 One torchrun launch of 2 ranks per model: the actor at training TP 2 with LoRA adapters (B drawn
 non-zero, so that the adapters change the outputs), and one real SGLang server at generation TP 2
-with LoRA enabled (on CPU: SGLang's CPU engine, gloo). Each mode pushes into the same server:
+with LoRA enabled (on CPU: SGLang's CPU engine, gloo). Each mode pushes into the same server, the
+adapters first (on the base weights the server loaded), then the merged weights both ways:
 
 - ``full``: whole HF tensors on both generation ranks (``weight_sync_target=full``), LoRA merged;
 - ``sharded``: each rank its own SGLang shard, handed to its own TP worker (``weight_sync_target=sharded``);
@@ -39,6 +40,8 @@ from parallel.state import find_free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODES = ("full", "sharded", "adapters")
+# The adapters first, while the server still holds its base weights (the merged pushes replace them).
+PUSH_ORDER = ("adapters", "full", "sharded")
 PROBES = [[5, 6, 7], [9, 3, 12, 4], [20, 21]]
 EXTRAPOLATED = ("yaml/llama3-70b_ppo_8node.yaml", "yaml/llama3-70b_lora_grpo_1node.yaml")
 
@@ -57,6 +60,29 @@ def tiny_model(directory: Path) -> Path:
 # ------------------------------------------------------------------------------------ worker
 
 
+def merged_reference(hf_dir: str, state_dict: dict, folder: Path):
+    """transformers' model of the actor (the merged HF export), for the probes' log-probs."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(hf_dir) / "config.json", folder)
+    save_file(state_dict, str(folder / "model.safetensors"))
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def reference_log_probs(model, prompt: list[int], response: list[int]):
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].double()
+    predicted = logits[len(prompt) - 1: len(prompt) + len(response) - 1]
+    return torch.log_softmax(predicted, dim=-1).gather(1, torch.tensor(response).view(-1, 1)).squeeze(1)
+
+
 def _max_over_ranks(value: float) -> float:
     import torch
     import torch.distributed as dist
@@ -71,6 +97,7 @@ def bench_model(hf_dir: str, run_dir: str, repeats: int, lora_rank: int) -> dict
     import torch.distributed as dist
 
     from engine.config import RolloutConfig
+    from engine.models.checkpoint import load_hf_weights
     from engine.models.gpt import build_model_chunks
     from engine.models.lora import LoRASettings, add_lora, adapters
     from engine.rollout.base import SamplingParams
@@ -82,41 +109,54 @@ def bench_model(hf_dir: str, run_dir: str, repeats: int, lora_rank: int) -> dict
     layout = ParallelLayout(tensor_model_parallel_size=2)
     initialize_model_parallel(layout, seed=5)
     chunks = build_model_chunks(hf_dir, layout)
+    load_hf_weights(chunks, hf_dir)  # the base the server loads too: the adapters push relies on it
     settings = LoRASettings(lora_rank, 2.0 * lora_rank)
     add_lora(chunks, settings)
-    generator = torch.Generator().manual_seed(dist.get_rank())
     with torch.no_grad():
         for chunk in chunks:
-            for _, adapter in adapters(chunk):
+            for index, (_, adapter) in enumerate(adapters(chunk)):
+                # B is split over TP for column-parallel layers, whole (the same on every rank) otherwise.
+                seed = 2 * index + 1 + (1000 * adapter.tp_rank if adapter.column_parallel else 0)
+                generator = torch.Generator().manual_seed(seed)
                 adapter.lora_B.copy_(torch.randn(adapter.lora_B.shape, generator=generator) * 0.02)
     syncs = {mode: WeightSynchronizer(chunks, layout, RolloutConfig(
         name="sglang", tensor_model_parallel_size=2, dtype="float32", update_weights_bucket_megabytes=64,
         weight_sync_target="full" if mode == "full" else "sharded", lora_sync="adapters" if mode == "adapters" else "merged"),
         target="full" if mode == "full" else "sharded") for mode in MODES}
+    from engine.models.checkpoint import export_hf_state_dict
+
+    merged = export_hf_state_dict(chunks)  # the actor as one HF model (adapters merged), on rank 0
+    reference = merged_reference(hf_dir, merged, Path(run_dir) / "merged") if merged else None
     engine = None
     if syncs["full"].is_replica_leader:
         engine = create_rollout_engine(RolloutConfig(name="sglang", tensor_model_parallel_size=2, dtype="float32",
                                                      gpu_memory_utilization=0.05, weight_update_timeout_s=300),
                                        hf_dir, run_dir=run_dir, lora=settings)
     result: dict = {"model_bytes": syncs["full"].plan.model_bytes(), "modes": {}}
-    for mode, sync in syncs.items():
+    for mode in PUSH_ORDER:
+        sync = syncs[mode]
         times, report = [], None
         for _ in range(repeats + 1):  # the first is the warm-up
             dist.barrier()
             start = time.perf_counter()
             report = sync.sync(engine)
             times.append(_max_over_ranks(time.perf_counter() - start))
-        tokens = None
+        tokens, gap = None, None
         if engine is not None:
-            samples = engine.generate(PROBES, SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
-            tokens = [sample.token_ids for (sample,) in samples]
+            samples = [sample for (sample,) in engine.generate(
+                PROBES, SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))]
+            tokens = [sample.token_ids for sample in samples]
+            gap = max(float((reference_log_probs(reference, prompt, sample.token_ids)
+                             - torch.tensor(sample.log_probs, dtype=torch.float64)).abs().max())
+                      for prompt, sample in zip(PROBES, samples))
         result["modes"][mode] = {
-            "seconds": statistics.median(times[1:]),
+            "seconds": statistics.median(times[1:] or times),
             "max_received_bytes": int(_max_over_ranks(report.stats.bytes_received)),
             "lower_bound_bytes": int(_max_over_ranks(report.lower_bound_bytes)),
             "engine_bytes_per_gpu": int(_max_over_ranks(report.stats.bytes_output)),
             "peak_extra_bytes": int(_max_over_ranks(report.stats.peak_staging_bytes or report.stats.bytes_output)),
             "probe_tokens": tokens,
+            "max_log_prob_gap_to_transformers": gap,
         }
     if engine is not None:
         engine.shutdown()
@@ -218,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 from launch.prepare_demo_model import prepare_demo_model
 
-                hf_dir = prepare_demo_model(REPO_ROOT / ".cache" / "models" / "demo-arith")
+                hf_dir = prepare_demo_model(REPO_ROOT / ".cache" / "models" / "demo-arith").model_dir
             run_dir = args.out / f"run_{model}"
             run_dir.mkdir(exist_ok=True)
             print(f"[weight_push] {model}: 3 modes x {args.repeats + 1} pushes into SGLang TP2 (logs in {run_dir})", flush=True)
