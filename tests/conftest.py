@@ -27,7 +27,7 @@ def demo_model():
 # Only the order of the suite depends on them: a stale number costs minutes at worst, never a result.
 UNIT_SECONDS = {
     "tests/test_reward_model.py::test_ppo_on_the_reward_model_alone_raises_its_score_and_the_accuracy": 180,
-    "tests.test_reshard_dist": 155,
+    "tests.test_reshard_dist": 215,
     "rehearse:/models/Qwen2.5-72B-Instruct": 128,
     "tests.test_observability": 123,
     "tests.test_benchmark_suite": 117,

@@ -48,11 +48,6 @@ def test_reward_rises(demo_model, tmp_path):
     assert len(accuracy) == 5 and max(accuracy[1:]) - accuracy[0] >= 0.03, accuracy
     # Train/inference parity: the engine's sampled log-probs equal the trainer's recomputation.
     assert max(r["rollout/log_prob_abs_diff"] for r in rows if "rollout/log_prob_abs_diff" in r) < 1e-4
-    from engine.models.hf_config import architecture_from_hf, load_hf_config
-    from engine.models.lora import LoRASettings
-
-    adapter_bytes = LoRASettings(8, 16).peft_elements(architecture_from_hf(load_hf_config(demo_model.model_dir))) * 4
-    assert {r["perf/weight_sync_received_mb"] for r in rows if "perf/weight_sync_received_mb" in r} == {adapter_bytes / 2**20}
     assert (run_dir / "tensorboard").glob("events.out.tfevents.*")
 
     # The HF export of the trained actor, validated by a fresh job at TP1 (the export is

@@ -155,12 +155,12 @@ def test_moe_shards_into_real_sglang_workers(sglang_qwen3_moe_dir, tmp_path):
     # fused-MoE weights (w13 / w2, placed by their own presharded loader), and the full push after it
     # must leave every TP worker's parameters bit for bit as they were (tests/dist_workers/reshard_sync.py).
     #
-    # Measured: every parameter is bit for bit SGLang's own load except the fused-expert tensors, whose
-    # bytes differ between SGLang's CPU fused-MoE loader given whole tensors and given rank-local ones,
-    # while the served model is the same (greedy tokens equal, log-probs within 1e-6 of each other and
-    # of transformers'). A second full push reproduces the first's bytes exactly, so the difference is
-    # in what the two branches of that loader write, not in the shards (which the worker checks against
-    # the export bit for bit); unexplained, and worth a look on a GPU.
+    # Every parameter is bit for bit SGLang's own load except the fused-expert tensors: on CPU SGLang
+    # pads intermediate sizes to a multiple of 32 x TP (``adjust_config_with_unaligned_cpu_tp``), so its
+    # own loader puts all 32 real rows of each expert on TP rank 0 and zeros on rank 1, where the shards
+    # split them 16 + 16 (each zero-padded to 32): another split of the same sum over the TP ranks, so the
+    # served model is the same (greedy tokens equal, log-probs within 1e-6 of each other and of
+    # transformers'). On a GPU SGLang does not pad, and the two layouts are one.
     (record,) = run_cases(sglang_qwen3_moe_dir, tmp_path, 2, ["1,2,0,2,2,1"], engine="sglang")
     assert record["prompts_checked"] > 0 and record["max_log_prob_difference"] < 1e-4
     assert record["sharded_push"]["tensors_compared"] > 0

@@ -52,12 +52,16 @@ def load_presharded_weights(model: torch.nn.Module, named_tensors: Iterable[tupl
 
     from engine.rollout.sglang_cpu import rank_local_presharded_weights
 
+    from sglang.srt.layers.linear import RowParallelLinear
+
     parameters = dict(model.named_parameters())
     rest = []
     for name, tensor in named_tensors:
         module = model.get_submodule(name.rsplit(".", 1)[0]) if name in parameters else None
         if isinstance(module, VocabParallelEmbedding):
             _load_vocab_rows(module, parameters[name], name, tensor)
+        elif isinstance(module, RowParallelLinear):
+            rest.append((name, _zero_padded_columns(parameters[name], tensor)))
         else:
             rest.append((name, tensor))
     if not rest:
@@ -72,6 +76,19 @@ def load_presharded_weights(model: torch.nn.Module, named_tensors: Iterable[tupl
     finally:
         for module in switched:
             module.use_presharded_weights = False
+
+
+def _zero_padded_columns(parameter: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """A row-parallel shard widened with zero columns to its parameter's padded width: SGLang pads
+    intermediate sizes on CPU (to a multiple of 32 x TP, ``adjust_config_with_unaligned_cpu_tp``),
+    and its row-parallel loader pads only whole tensors, not pre-sharded ones. The column-parallel
+    and fused-MoE loaders zero their padding themselves."""
+    dim = getattr(parameter, "input_dim", None)
+    if dim is None or shard.shape[dim] >= parameter.shape[dim]:
+        return shard
+    padding = list(shard.shape)
+    padding[dim] = parameter.shape[dim] - shard.shape[dim]
+    return torch.cat([shard, shard.new_zeros(padding)], dim=dim)
 
 
 def _load_vocab_rows(module, parameter: torch.Tensor, name: str, rows: torch.Tensor) -> None:
