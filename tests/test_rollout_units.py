@@ -213,3 +213,7 @@ def test_sglang_vocab_padding_and_what_the_sharded_loader_covers():
     assert "2 key/value heads (of 8 query heads) do not split over rollout.tensor_model_parallel_size=4" in \
         presharded_refusal(llama, 2, 4)
     assert "Megatron pads the 2 query groups to 4" in presharded_refusal(llama, 4, 2)
+    odd_mlp = architecture_from_hf(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=130, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+        vocab_size=100, max_position_embeddings=64))
+    assert "the MLP's 130 rows do not split over rollout.tensor_model_parallel_size=4" in presharded_refusal(odd_mlp, 2, 4)

@@ -185,7 +185,6 @@ class WeightSynchronizer:
             report.checked_by_fingerprint = True
         return report
 
-
     def _push_adapters(self, engine: RolloutEngine | None) -> WeightSyncReport:
         """The LoRA adapters, gathered whole on every rank (PEFT's names and layout, in the rollout
         dtype), into the engine of each replica leader. Collective. The bytes reported are the
@@ -251,6 +250,9 @@ def presharded_refusal(architecture, training_tp: int, generation_tp: int) -> st
     if a.padded_num_query_groups(training_tp) != a.num_query_groups:
         return (f"Megatron pads the {a.num_query_groups} query groups to {a.padded_num_query_groups(training_tp)} "
                 f"at tensor_model_parallel_size={training_tp}")
+    for what, size in (("MLP", a.ffn_hidden_size), ("expert MLP", a.moe.ffn_hidden_size if a.moe else 0)):
+        if size % generation_tp:
+            return f"the {what}'s {size} rows do not split over rollout.tensor_model_parallel_size={generation_tp}"
     return None
 
 
