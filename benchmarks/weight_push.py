@@ -36,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.reshard import _max_over_ranks
 from parallel.state import find_free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -81,15 +82,6 @@ def reference_log_probs(model, prompt: list[int], response: list[int]):
         logits = model(torch.tensor([prompt + response])).logits[0].double()
     predicted = logits[len(prompt) - 1: len(prompt) + len(response) - 1]
     return torch.log_softmax(predicted, dim=-1).gather(1, torch.tensor(response).view(-1, 1)).squeeze(1)
-
-
-def _max_over_ranks(value: float) -> float:
-    import torch
-    import torch.distributed as dist
-
-    tensor = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor.item())
 
 
 def bench_model(hf_dir: str, run_dir: str, repeats: int, lora_rank: int) -> dict:
