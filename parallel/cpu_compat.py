@@ -68,6 +68,11 @@ without a GPU we run the real megatron-core code on CPU tensors by:
     (measured), and the 2-rank checkpoint test job ran past its 300 s limit with it (not
     investigated further). Without CUDA the temporal worker is used: a fork per save, whose
     copy-on-write snapshot is the tensors as they were.
+12. context parallelism's slice of the rotary embedding (``get_pos_emb_on_this_cp_rank``): megatron
+    builds its two chunk indices in pinned host memory and copies them to the GPU, inside the
+    forward pass (outside the mode of (1)); here the same ``index_select`` takes host indices. The CP
+    attention itself, which megatron's local spec refuses, is ``parallel.context_parallel``'s
+    stand-in for Transformer Engine's kernels (not a CUDA bridge: it runs wherever TE is missing).
 
 ``activate()`` does nothing else when CUDA is available: the GPU path runs megatron-core untouched
 but for (4) where TE is missing (tests/test_cpu_compat.py proves both). Nothing else in Trident may
@@ -309,6 +314,19 @@ def _moe_alltoall_without_streams() -> None:
     _patch(mappings, "_reduce_scatter_along_first_dim", reduce_scatter_uneven)
 
 
+def _rotary_cp_slice_on_host() -> None:
+    from megatron.core.models.common.embeddings import rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    from parallel.context_parallel import row_positions
+
+    def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        held = row_positions(pos_emb.shape[seq_dim], cp_group.size(), cp_group.rank(), pos_emb.device)
+        return pos_emb.index_select(seq_dim, held)
+
+    for module in (rotary_pos_embedding, yarn_rotary_pos_embedding):
+        _patch(module, "get_pos_emb_on_this_cp_rank", get_pos_emb_on_this_cp_rank)
+
+
 def _returning(value: Any):
     """A fresh stand-in function returning ``value``: one object per replaced name, since dynamo's
     rule table refuses one function object under two torch.cuda names."""
@@ -411,6 +429,7 @@ def activate() -> bool:
     _model_compute_outside_mode()
     _moe_alltoall_without_streams()
     _checkpoint_results_queue_by_fork()
+    _rotary_cp_slice_on_host()
     from torch import _dynamo
 
     _patch(_dynamo.config, "disable", True)

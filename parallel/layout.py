@@ -20,6 +20,8 @@ class ParallelLayout:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None
     context_parallel_size: int = 1
+    # How CP ranks exchange keys and values (megatron's cp_comm_type; parallel.context_parallel).
+    cp_comm_type: str = "p2p"
     expert_model_parallel_size: int = 1
     # Ranks that split each expert's matrices; None: megatron's default, the TP size.
     expert_tensor_parallel_size: int | None = None
@@ -32,13 +34,23 @@ class ParallelLayout:
             return self.tensor_model_parallel_size
         return self.expert_tensor_parallel_size
 
+    @property
+    def hierarchical_context_parallel_sizes(self) -> list[int] | None:
+        """megatron's CP sub-groups for ``a2a+p2p``: a2a inside groups of the largest divisor of CP up
+        to 8 (one node's GPUs), p2p between the groups; None for the other comm types."""
+        if self.cp_comm_type != "a2a+p2p" or self.context_parallel_size == 1:
+            return None
+        cp = self.context_parallel_size
+        inner = max(size for size in range(1, min(cp, 8) + 1) if cp % size == 0)
+        return [inner, cp // inner]
+
     def describe(self) -> str:
         """``tp2,pp2,vpp2,sp``-style summary for messages."""
         parts = [f"tp{self.tensor_model_parallel_size}", f"pp{self.pipeline_model_parallel_size}"]
         if self.virtual_pipeline_model_parallel_size:
             parts.append(f"vpp{self.virtual_pipeline_model_parallel_size}")
         if self.context_parallel_size > 1:
-            parts.append(f"cp{self.context_parallel_size}")
+            parts.append(f"cp{self.context_parallel_size}({self.cp_comm_type})")
         if self.expert_model_parallel_size > 1:
             parts.append(f"ep{self.expert_model_parallel_size}")
         if self.expert_tensor_size != self.tensor_model_parallel_size:
@@ -87,6 +99,10 @@ class ParallelLayout:
                     "virtual_pipeline_model_parallel_size > 1 needs pipeline_model_parallel_size > 1 "
                     f"(got vpp={vpp}, pp=1)"
                 )
+        from parallel.context_parallel import CP_COMM_TYPES
+
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise LayoutError(f"cp_comm_type={self.cp_comm_type!r}: one of {', '.join(CP_COMM_TYPES)}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise LayoutError("sequence_parallel needs tensor_model_parallel_size > 1")
         if world_size % self.model_parallel_size:

@@ -147,6 +147,7 @@ def initialize_model_parallel(
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
         context_parallel_size=layout.context_parallel_size,
+        hierarchical_context_parallel_sizes=layout.hierarchical_context_parallel_sizes,
         expert_model_parallel_size=layout.expert_model_parallel_size,
         expert_tensor_parallel_size=layout.expert_tensor_size,
         distributed_timeout_minutes=timeout_minutes,

@@ -64,6 +64,12 @@ class ActorConfig:
             computes the trainer's distribution (same weights and precision: ``rollout/log_prob_abs_diff``
             of a run without it is ~1e-6 for the fp32 CPU demo); with a bf16 engine the ratio then
             also absorbs the engine/trainer mismatch. Off by default.
+        ulysses_sequence_parallel_size: verl's (and the seed recipe's) long-context knob, read as
+            megatron's own: N > 1 sets ``megatron.context_parallel_size=N`` with ``cp_comm_type=a2a``
+            (DeepSpeed-Ulysses' all-to-all over heads) for the actor, and with it the reference,
+            critic and reward model that take the actor's layout; printed once at start. Setting
+            ``megatron.context_parallel_size`` or ``megatron.cp_comm_type`` to something else too is
+            a config error.
     """
 
     ppo_epochs: int = 1
@@ -82,6 +88,7 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     use_rollout_log_probs: bool = False
+    ulysses_sequence_parallel_size: int = 1
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)

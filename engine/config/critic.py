@@ -59,7 +59,7 @@ def experiment_critic() -> CriticConfig:
     actor = "actor_rollout_ref.actor"
     megatron = MegatronConfig(**{name: II(f"{actor}.megatron.{name}") for name in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-        "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+        "context_parallel_size", "cp_comm_type", "expert_model_parallel_size", "expert_tensor_parallel_size",
         "sequence_parallel", "use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
         "param_dtype")})
     model = ModelConfig(**{name: II(f"actor_rollout_ref.model.{name}") for name in (

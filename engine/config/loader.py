@@ -105,6 +105,7 @@ def load_config(
     merged = _merge(_schema(), tree, source=str(path), yaml_text=text)
     for override in overrides:
         merged = _merge(merged, _parse_override(override), source=f"override {override!r}")
+    _read_ulysses_as_context_parallel(merged)
     config = _to_object(merged)
     _fill_derived_defaults(config)
     validate(config, world_size)
@@ -359,6 +360,38 @@ def _to_object(merged: DictConfig) -> ExperimentConfig:
         raise _type_error(error, "after interpolation") from None
     except ValueError as error:  # a section's own __post_init__ check (e.g. reward_model)
         raise ConfigError(str(error)) from None
+
+
+ULYSSES_KEY = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+
+
+def ulysses_meaning(size: int) -> str:
+    """What ``ULYSSES_KEY=size`` sets, as the start of a run prints it."""
+    return (f"{ULYSSES_KEY}={size} runs as megatron's context parallelism: actor_rollout_ref.actor.megatron."
+            f"context_parallel_size={size}, cp_comm_type=a2a (Ulysses' all-to-all over attention heads)")
+
+
+def _read_ulysses_as_context_parallel(merged: DictConfig) -> None:
+    """verl's Ulysses sequence parallelism is megatron's CP with the a2a exchange; set it before the
+    critic's and reward model's layouts are resolved from the actor's."""
+    size = OmegaConf.select(merged, ULYSSES_KEY)
+    if not isinstance(size, int) or size <= 1:
+        if isinstance(size, int) and size < 1:
+            raise ConfigError(f"{ULYSSES_KEY}={size}: must be >= 1 (1 = no sequence split).")
+        return
+    megatron = "actor_rollout_ref.actor.megatron"
+    context = OmegaConf.select(merged, f"{megatron}.context_parallel_size")
+    if context not in (1, size):
+        raise ConfigError(
+            f"{ULYSSES_KEY}={size} means {megatron}.context_parallel_size={size}, but that key is set to "
+            f"{context}: set one of the two keys only.")
+    comm = OmegaConf.select(merged, f"{megatron}.cp_comm_type")
+    if comm not in ("p2p", "a2a"):  # p2p is the default: a value the user did not choose
+        raise ConfigError(
+            f"{ULYSSES_KEY}={size} means {megatron}.cp_comm_type=a2a (Ulysses' all-to-all), but that key is set "
+            f"to {comm!r}: set context_parallel_size with cp_comm_type={comm} instead of the Ulysses key.")
+    OmegaConf.update(merged, f"{megatron}.context_parallel_size", size)
+    OmegaConf.update(merged, f"{megatron}.cp_comm_type", "a2a")
 
 
 def _fill_derived_defaults(config: ExperimentConfig) -> None:

@@ -113,7 +113,15 @@ class FrozenMegatronConfig:
         pipeline_model_parallel_size: pipeline stages (consecutive blocks of layers).
         virtual_pipeline_model_parallel_size: model chunks per pipeline stage (interleaved
             schedule); null = not interleaved.
-        context_parallel_size: ranks that split each sequence (not built yet: must be 1).
+        context_parallel_size: ranks that split each sequence (megatron's context parallelism: each
+            rank holds 2 of 2 x CP load-balanced chunks of every row, or of every packed sequence).
+            Sequences (packed: each sequence) are padded to a multiple of 2 x CP (x TP with sequence
+            parallelism).
+        cp_comm_type: how CP ranks exchange keys and values in attention (megatron's ``cp_comm_type``):
+            "p2p" (ring), "all_gather", "a2a" (DeepSpeed-Ulysses: all-to-all over heads; the heads and
+            key/value heads of a TP rank must divide by CP) or "a2a+p2p" (a2a inside groups of up to
+            8 ranks, p2p between them). Without Transformer Engine (CPU) only "all_gather" and "a2a"
+            run (``parallel.context_parallel``).
         expert_model_parallel_size: ranks that split the experts of MoE layers (Qwen3-MoE,
             Mixtral) over the ranks of a pipeline stage; > 1 needs an MoE model (checked at start-up).
         expert_tensor_parallel_size: ranks that split each expert's matrices; null = the TP size
@@ -132,6 +140,7 @@ class FrozenMegatronConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None
     context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None
     sequence_parallel: bool = True
@@ -147,6 +156,7 @@ class FrozenMegatronConfig:
             pipeline_model_parallel_size=self.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
             context_parallel_size=self.context_parallel_size,
+            cp_comm_type=self.cp_comm_type,
             expert_model_parallel_size=self.expert_model_parallel_size,
             expert_tensor_parallel_size=self.expert_tensor_parallel_size,
             sequence_parallel=self.sequence_parallel and self.tensor_model_parallel_size > 1,

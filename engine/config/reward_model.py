@@ -244,7 +244,7 @@ def experiment_reward_model() -> RewardConfig:
     actor = "actor_rollout_ref.actor"
     megatron = FrozenMegatronConfig(**{name: II(f"{actor}.megatron.{name}") for name in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-        "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+        "context_parallel_size", "cp_comm_type", "expert_model_parallel_size", "expert_tensor_parallel_size",
         "sequence_parallel", "param_dtype")})
     return RewardConfig(
         megatron=megatron,

@@ -125,7 +125,6 @@ def _check_sglang_installed(config: ExperimentConfig) -> None:
 _LORA = "LoRA is built for the actor only (actor_rollout_ref.model.lora_rank); the critic trains all its weights"
 _ROUTER_REPLAY = ("router replay is built for the actor's passes (actor_rollout_ref.actor.megatron."
                   "moe_router_replay); the critic routes its values itself")
-_CONTEXT_PARALLEL = "context parallelism is not built yet (the roles do not split sequences over CP ranks); use 1"
 # Keys of features that are not built yet: the only value each accepts, and why. Anything else is
 # refused here, never accepted and ignored (tests/test_config_liveness.py holds every other key to
 # a run-time read).
@@ -133,9 +132,6 @@ NOT_BUILT: dict[str, tuple[Any, str]] = {
     "critic.model.lora_rank": (0, _LORA),
     "critic.model.lora_alpha": (16, _LORA),
     "critic.model.target_modules": ("all-linear", _LORA),
-    f"{ACTOR}.megatron.context_parallel_size": (1, _CONTEXT_PARALLEL),
-    "critic.megatron.context_parallel_size": (1, _CONTEXT_PARALLEL),
-    "reward_model.megatron.context_parallel_size": (1, _CONTEXT_PARALLEL),
     "critic.megatron.moe_router_replay": (False, _ROUTER_REPLAY),
 }
 

@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from parallel.context_parallel import gather_sequence, row_positions
 from parallel.state import device
 
 
@@ -43,18 +44,29 @@ def forward_only(
         position_ids = torch.arange(seq_length, device=device()).unsqueeze(0).expand(batch_size, -1)
     architecture = model_chunks[0].hf_architecture
     is_critic = model_chunks[0].has_value_head
+    # Context parallelism: each CP rank runs its load-balanced chunks of every row (the mask stays
+    # whole) and the outputs are gathered back in sequence order.
+    cp_group = parallel_state.get_context_parallel_group()
+    cp_size = parallel_state.get_context_parallel_world_size()
+    held = [row_positions(seq_length, cp_size, rank, device()) for rank in range(cp_size)] if cp_size > 1 else None
 
     def micro_batches():
         for start in range(0, batch_size, micro_batch_size):
             end = start + micro_batch_size
             mask = attention_mask[start:end].to(device()) if attention_mask is not None else None
-            yield input_ids[start:end], position_ids[start:end].to(device()), mask
+            tokens, positions = input_ids[start:end], position_ids[start:end].to(device())
+            if held is not None:
+                mine = held[parallel_state.get_context_parallel_rank()]
+                tokens, positions = tokens.index_select(1, mine), positions.index_select(1, mine)
+            yield tokens, positions, mask
 
     def forward_step(data_iterator, model):
         tokens, positions, mask = next(data_iterator)
         output = model(tokens, positions, mask, runtime_gather_output=True)
 
         def collect(output_tensor, non_loss_data=True):
+            if held is not None:
+                output_tensor = gather_sequence(output_tensor, held, cp_group, dim=1)
             # [b, s, 1] values, or [b, s, padded vocab] logits whose padding rows we drop
             return output_tensor[..., 0] if is_critic else output_tensor[..., : architecture.vocab_size]
 

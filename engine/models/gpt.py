@@ -68,9 +68,12 @@ def layer_spec(transformer_engine: bool, config, vp_stage: int | None):
         layers = [spec]
     if not transformer_engine:
         from engine.models.attention import FusedLocalAttention
+        from parallel.context_parallel import ContextParallelAttention
 
+        # megatron's local attention refuses CP; the stand-in for TE's CP kernels runs it.
+        attention = ContextParallelAttention if config.context_parallel_size > 1 else FusedLocalAttention
         for layer in layers:
-            layer.submodules.self_attention.submodules.core_attention = FusedLocalAttention
+            layer.submodules.self_attention.submodules.core_attention = attention
     return spec
 
 

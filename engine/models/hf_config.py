@@ -348,6 +348,8 @@ def transformer_config_from_hf(
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
         context_parallel_size=layout.context_parallel_size,
+        cp_comm_type=layout.cp_comm_type if layout.context_parallel_size > 1 else None,
+        hierarchical_context_parallel_sizes=layout.hierarchical_context_parallel_sizes,
         expert_model_parallel_size=layout.expert_model_parallel_size,
         expert_tensor_parallel_size=layout.expert_tensor_size,
         sequence_parallel=layout.sequence_parallel,

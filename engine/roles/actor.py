@@ -49,9 +49,9 @@ class _PolicyMixin:
             tensor_parallel_group=self.tp_group, compute_entropy=compute_entropy,
         )
         response_length = micro_batch.response_length
-        log_probs = response_columns(inputs.layout.unpack(log_probs), response_length)
+        log_probs = response_columns(inputs.unpack(log_probs), response_length)
         if entropy is not None:
-            entropy = response_columns(inputs.layout.unpack(entropy), response_length)
+            entropy = response_columns(inputs.unpack(entropy), response_length)
         return log_probs, entropy
 
     def compute_log_probs(

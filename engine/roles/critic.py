@@ -41,7 +41,7 @@ class MegatronCritic(TrainableWorker):
 
     def _values(self, output: torch.Tensor, inputs: ModelInputs, micro_batch: RolloutBatch) -> torch.Tensor:
         # The value head gives [rows, width, 1], replicated over TP ranks.
-        per_position = inputs.layout.unpack(output[..., 0].float())
+        per_position = inputs.unpack(output[..., 0].float())
         return response_columns(per_position, micro_batch.response_length)
 
     def compute_values(self, batch: RolloutBatch) -> torch.Tensor:

@@ -38,7 +38,7 @@ class MegatronRewardModel(MegatronWorker):
 
         def last_token_score(output: torch.Tensor, inputs: ModelInputs, micro_batch: RolloutBatch):
             # Rows are left-padded, so every sequence ends in the last column.
-            return {"score": inputs.layout.unpack(output[..., 0].float())[:, -1:]}
+            return {"score": inputs.unpack(output[..., 0].float())[:, -1:]}
 
         scores = self.forward_per_token(batch, self.micro_batches, last_token_score, ["score"],
                                         "reward_model.forward_max_token_len_per_gpu")

@@ -39,12 +39,15 @@ class _RolloutRouting:
         self.routers = [module for chunk in model_chunks for module in chunk.modules() if isinstance(module, TopKRouter)]
         self.expected: torch.Tensor | None = None
 
-    def expect(self, layout, routed_experts: torch.Tensor) -> None:
+    def expect(self, inputs, routed_experts: torch.Tensor) -> None:
         """The rollout's routing of one micro-batch (``routed_experts`` of its rows, ``[b, S, L, k]``)
-        placed where ``layout`` (its ``TokenLayout``) puts each token."""
+        placed where its ``ModelInputs`` put each token (this CP rank's tokens under CP)."""
+        layout = inputs.layout
         rows, width = layout.input_ids.shape
         expected = torch.full((rows, width, *routed_experts.shape[2:]), -1, dtype=routed_experts.dtype)
         expected[layout.layout_rows.cpu(), layout.layout_cols.cpu()] = routed_experts[layout.rows.cpu(), layout.cols.cpu()]
+        if inputs.held_positions is not None:
+            expected = expected[:, inputs.held_positions[inputs.cp_group.rank()]]
         expected = expected.transpose(0, 1)  # [s, b, ...], megatron's order
         if self.sequence_parallel:
             expected = expected.chunk(self.tp_size, dim=0)[self.tp_rank]

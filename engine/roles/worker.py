@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
@@ -83,11 +83,25 @@ class ModelInputs:
     """One micro-batch as the model sees it."""
 
     layout: TokenLayout
+    input_ids: torch.Tensor  # [rows, width] (this rank's tokens under CP)
     labels: torch.Tensor  # next-token ids, [rows, width]
     position_ids: torch.Tensor
     attention_mask: torch.Tensor | None
     packed_seq_params: object | None
     padding_mask: torch.Tensor | None = None  # MoE models: True at padding, which the router's losses skip
+    # Context parallelism: the layout positions every CP rank holds (rank order); the tensors above
+    # hold this rank's (``parallel.context_parallel``), the mask the whole row's. None without CP.
+    held_positions: list[torch.Tensor] | None = None
+    cp_group: object | None = None
+
+    def unpack(self, values: torch.Tensor, fill_value: float = 0.0) -> torch.Tensor:
+        """Per-token outputs of this rank's tokens ``[rows, held, ...]`` back to the batch's
+        ``[B, S, ...]``: gathered over the CP ranks first (differentiable), then unpacked."""
+        if self.held_positions is not None:
+            from parallel.context_parallel import gather_sequence
+
+            values = gather_sequence(values, self.held_positions, self.cp_group, dim=1)
+        return self.layout.unpack(values, fill_value)
 
 
 def response_columns(per_position: torch.Tensor, response_length: int) -> torch.Tensor:
@@ -130,11 +144,9 @@ class MegatronWorker:
         self.model_config = self.model_chunks[0].config
         self.use_remove_padding = use_remove_padding
         self.transformer_engine = use_transformer_engine()
-        if parallel_state.get_context_parallel_world_size() > 1:
-            raise NotImplementedError(
-                "context_parallel_size > 1: megatron's local attention (the CPU spec) cannot run "
-                "context parallelism and the roles do not split sequences over CP ranks yet"
-            )
+        self.cp_group = parallel_state.get_context_parallel_group()
+        self.cp_size = parallel_state.get_context_parallel_world_size()
+        self.cp_rank = parallel_state.get_context_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -148,7 +160,7 @@ class MegatronWorker:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.vpp_size = len(self.model_chunks) if len(self.model_chunks) > 1 else None
-        self.alignment = packing_alignment(self.tp_size, 1, self.model_config.sequence_parallel)
+        self.alignment = packing_alignment(self.tp_size, self.cp_size, self.model_config.sequence_parallel)
         if self.pp_size > 1 and self.vpp_size is None:
             # Micro-batches differ in shape (packed length, rows); stages then exchange shapes first.
             self.model_config.variable_seq_lengths = True
@@ -201,8 +213,29 @@ class MegatronWorker:
         if self.model_config.num_moe_experts:
             padding_mask = torch.ones_like(layout.input_ids, dtype=torch.bool)
             padding_mask[layout.layout_rows, layout.layout_cols] = False
-        return ModelInputs(layout, next_token_labels(layout.input_ids), position_ids, mask, packed_seq_params,
-                           padding_mask)
+        inputs = ModelInputs(layout, layout.input_ids, next_token_labels(layout.input_ids), position_ids, mask,
+                             packed_seq_params, padding_mask)
+        return self.context_parallel_share(inputs) if self.cp_size > 1 else inputs
+
+    def context_parallel_share(self, inputs: ModelInputs) -> ModelInputs:
+        """This CP rank's tokens of ``inputs``: megatron's load-balanced chunks of each row, or of each
+        sequence of a THD pack where Transformer Engine runs it (``parallel.context_parallel``). The
+        attention mask stays whole: the CP attention picks its queries' rows."""
+        from parallel.context_parallel import row_positions, thd_positions
+
+        width = inputs.input_ids.shape[1]
+        if inputs.packed_seq_params is not None:
+            held = [thd_positions(inputs.layout.cu_seqlens, self.cp_size, rank) for rank in range(self.cp_size)]
+        else:
+            held = [row_positions(width, self.cp_size, rank) for rank in range(self.cp_size)]
+        mine = held[self.cp_rank].to(inputs.input_ids.device)
+
+        def share(tensor):
+            return None if tensor is None else tensor.index_select(1, mine.to(tensor.device))
+
+        return replace(inputs, input_ids=share(inputs.input_ids), labels=share(inputs.labels),
+                       position_ids=share(inputs.position_ids), padding_mask=share(inputs.padding_mask),
+                       held_positions=held, cp_group=self.cp_group)
 
     def run_schedule(
         self,
@@ -232,9 +265,9 @@ class MegatronWorker:
             index = next(data_iterator)
             mb_inputs = inputs[index]
             for routing in self.rollout_routing:
-                routing.expect(mb_inputs.layout, micro_batches[index].routed_experts)
+                routing.expect(mb_inputs, micro_batches[index].routed_experts)
             output = model(
-                mb_inputs.layout.input_ids, mb_inputs.position_ids, mb_inputs.attention_mask,
+                mb_inputs.input_ids, mb_inputs.position_ids, mb_inputs.attention_mask,
                 packed_seq_params=mb_inputs.packed_seq_params, padding_mask=self.stage_padding_mask(model, mb_inputs),
             )
             return output, functools.partial(_call_step, step_fn, mb_inputs, micro_batches[index])
@@ -424,9 +457,9 @@ class TrainableWorker(MegatronWorker):
                     dist.all_reduce(counts, group=self.dp_group)
                 # The Dr.GRPO normaliser: responses are padded to data.max_response_length.
                 scale = LossScale.from_counts(counts.cpu(), max_response_length=batch.response_length)
-                # megatron averages over micro-batches (schedule) and DP ranks (DDP); the shares
-                # must be summed, so undo both averages.
-                undo_averaging = len(micro_batches) * self.dp_size
+                # megatron averages over micro-batches (schedule) and DP x CP ranks (DDP); the shares
+                # must be summed (each CP rank's gradient is its tokens' share), so undo both averages.
+                undo_averaging = len(micro_batches) * self.dp_size * self.cp_size
 
                 def step(output, inputs, micro_batch, scale=scale, factor=undo_averaging):
                     result = loss_fn(output, inputs, micro_batch, scale)

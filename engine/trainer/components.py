@@ -21,6 +21,7 @@ import torch.distributed as dist
 from engine.algo.kl import build_kl_controller
 from engine.config import ExperimentConfig, MegatronConfig, ModelConfig
 from engine.config.errors import ConfigError
+from engine.config.loader import ulysses_meaning
 from engine.data import PromptDataLoader, PromptDataset
 from engine.models.lora import describe as describe_lora
 from engine.rewards.judge import JudgeClient
@@ -134,6 +135,8 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
     from transformers import AutoTokenizer
 
     arr, data = cfg.actor_rollout_ref, cfg.data
+    if arr.actor.ulysses_sequence_parallel_size > 1:
+        say(f"[trident] {ulysses_meaning(arr.actor.ulysses_sequence_parallel_size)}")
     tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path, trust_remote_code=arr.model.trust_remote_code)
 
     # Data: each data-parallel rank loads its share of every global batch.

@@ -1,0 +1,97 @@
+"""Context parallelism (``parallel.context_parallel``): megatron's load-balanced split, the CP attention
+that stands in for Transformer Engine's kernels, and the models and roles run with it.
+
+- logits of tiny Llama, Qwen2, Qwen3 and Qwen3-MoE at CP2, CP2 x TP2 + SP and CP2 x PP2, left-aligned
+  (causal) and packed (block-causal), with both comm types the stand-in runs, equal transformers';
+- the split itself against megatron's and Transformer Engine's definitions.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from parallel.context_parallel import row_positions, thd_positions
+from tests.distributed import run_torchrun
+from tests.test_models_parity import save_tiny_checkpoints, save_tiny_moe_checkpoints
+
+# tp,pp,sp,cp,comm
+LAYOUTS = ["1,1,0,2,all_gather", "1,1,0,2,a2a", "2,1,1,2,all_gather", "1,2,0,2,all_gather", "1,2,0,2,a2a"]
+
+
+def test_row_positions_are_megatrons_load_balanced_chunks():
+    # megatron (get_batch_on_this_cp_rank, get_pos_emb_on_this_cp_rank): 2 x CP chunks, rank r holds r
+    # and 2CP-1-r; here spelled out for 16 tokens at CP 2 and CP 4.
+    assert row_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert row_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert row_positions(16, 4, 1).tolist() == [2, 3, 12, 13]
+    for cp in (1, 2, 4):
+        every = torch.cat([row_positions(24, cp, r) for r in range(cp)])
+        assert sorted(every.tolist()) == list(range(24))  # each token on exactly one rank
+    with pytest.raises(ValueError, match="2 x context_parallel_size=2"):
+        row_positions(10, 2, 0)
+
+
+def test_thd_positions_split_every_packed_sequence():
+    cu_seqlens = torch.tensor([0, 8, 12, 28], dtype=torch.int32)
+    assert thd_positions(cu_seqlens, 2, 0).tolist() == [0, 1, 6, 7, 8, 11, 12, 13, 14, 15, 24, 25, 26, 27]
+    assert thd_positions(cu_seqlens, 2, 1).tolist() == [2, 3, 4, 5, 9, 10, 16, 17, 18, 19, 20, 21, 22, 23]
+
+
+def test_megatrons_rotary_slice_is_the_row_split():
+    """The CPU adaptation's host-side rotary slice (megatron's pins memory and copies to the GPU)
+    keeps exactly the positions ``row_positions`` gives the rank."""
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+    import parallel.cpu_compat as cpu_compat
+
+    was_active = cpu_compat.is_active()
+    cpu_compat.activate()
+    try:
+        _check_rotary_slice(rotary_pos_embedding)
+    finally:
+        if not was_active:
+            cpu_compat.deactivate()
+
+
+def _check_rotary_slice(rotary_pos_embedding):
+
+    class Group:
+        def __init__(self, rank):
+            self._rank = rank
+
+        def size(self):
+            return 4
+
+        def rank(self):
+            return self._rank
+
+    embedding = torch.arange(32.0)[:, None, None, None].expand(32, 1, 1, 8)
+    for rank in range(4):
+        sliced = rotary_pos_embedding.get_pos_emb_on_this_cp_rank(embedding, 0, Group(rank))
+        assert sliced[:, 0, 0, 0].long().tolist() == row_positions(32, 4, rank).tolist()
+
+
+@pytest.fixture(scope="module")
+def logits_results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cp_models")
+    dirs = [*save_tiny_checkpoints(root), save_tiny_moe_checkpoints(root)[0]]
+    out = root / "results.json"
+    run_torchrun("context_parallel_logits.py", 4,
+                 ["--hf-dirs", *map(str, dirs), "--layouts", *LAYOUTS, "--out", str(out)], timeout=600)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.dist
+def test_logits_equal_transformers_under_context_parallelism(logits_results):
+    for family in ("llama", "qwen2", "qwen3", "qwen3_moe"):
+        for layout in LAYOUTS:
+            measured = logits_results[family][layout]
+            assert measured["cp_size"] == 2
+            # Each rank embedded half of every 16-token row (its two chunks), never the whole row.
+            assert measured["embedded_row_lengths"] == [8], (family, layout, measured)
+            assert measured["max_abs_logit_diff"] <= 1e-5, (family, layout, measured)
+            assert measured["packed_max_abs_logit_diff"] <= 1e-5, (family, layout, measured)
+    assert "cp_comm_type=a2a" in logits_results["a2a_refusal"] and "all_gather" in logits_results["a2a_refusal"]
