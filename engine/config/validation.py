@@ -575,7 +575,8 @@ def _check_ppo_batches(prefix: str, section: Any, dp: int, dynamic: bool, config
             f"ppo_mini_batch_size, ppo_micro_batch_size_per_gpu or rollout.n."
         )
     if dynamic:
-        _check_token_budget(f"{prefix}.ppo_max_token_len_per_gpu", section.ppo_max_token_len_per_gpu, config)
+        _check_token_budget(f"{prefix}.ppo_max_token_len_per_gpu", section.ppo_max_token_len_per_gpu, config,
+                            section.megatron.context_parallel_size)
         _check_interleaved_micro_batches(f"{prefix}.ppo_mini_batch_size * n = {mini_sequences} sequences / dp {dp}",
                                          mini_sequences // dp, f"{prefix}.megatron", section.megatron, dynamic=True)
     else:
@@ -584,20 +585,24 @@ def _check_ppo_batches(prefix: str, section: Any, dp: int, dynamic: bool, config
                                          f"{prefix}.megatron", section.megatron)
 
 
-def _check_token_budget(key: str, budget: int, config: ExperimentConfig) -> None:
+def _check_token_budget(key: str, budget: int, config: ExperimentConfig, context_parallel_size: int) -> None:
+    # Under context parallelism a GPU holds 1/CP of every sequence (verl's Ulysses budget likewise).
     longest = config.data.max_prompt_length + config.data.max_response_length
-    if budget < longest:
+    if budget * context_parallel_size < longest:
+        per_gpu = -(-longest // context_parallel_size)
+        split = f", split over context_parallel_size={context_parallel_size}" if context_parallel_size > 1 else ""
         raise ConfigError(
             f"{key}={budget} is smaller than one full sequence, data.max_prompt_length + data.max_response_length = "
-            f"{config.data.max_prompt_length} + {config.data.max_response_length} = {longest}; raise it to at "
-            f"least {longest} (2-4x is usual)."
+            f"{config.data.max_prompt_length} + {config.data.max_response_length} = {longest}{split}; raise it to at "
+            f"least {per_gpu} (2-4x is usual)."
         )
 
 
 def _check_log_prob_batches(prefix: str, section: Any, dynamic: bool, config: ExperimentConfig, dp: int) -> None:
     rows = config.data.train_batch_size * config.actor_rollout_ref.rollout.n // dp
     if dynamic:
-        _check_token_budget(f"{prefix}.log_prob_max_token_len_per_gpu", section.log_prob_max_token_len_per_gpu, config)
+        _check_token_budget(f"{prefix}.log_prob_max_token_len_per_gpu", section.log_prob_max_token_len_per_gpu, config,
+                            config.actor_rollout_ref.actor.megatron.context_parallel_size)
         _check_interleaved_micro_batches(f"the {prefix} log-prob pass over data.train_batch_size * n / dp", rows,
                                          f"{ACTOR}.megatron", config.actor_rollout_ref.actor.megatron, dynamic=True)
         return

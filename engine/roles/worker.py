@@ -56,8 +56,10 @@ class MicroBatchConfig:
     Attributes:
         micro_batch_size_per_gpu: sequences per micro-batch (``*_micro_batch_size_per_gpu``).
         use_dynamic_bsz: cut by ``max_token_len_per_gpu`` instead, balancing tokens.
-        max_token_len_per_gpu: token budget of one micro-batch (``ppo_max_token_len_per_gpu`` /
-            ``log_prob_max_token_len_per_gpu``).
+        max_token_len_per_gpu: token budget of one micro-batch on one GPU (``ppo_max_token_len_per_gpu`` /
+            ``log_prob_max_token_len_per_gpu``); under context parallelism a GPU holds 1/CP of each
+            sequence, so a micro-batch holds CP x this many tokens of whole sequences (verl's Ulysses
+            convention).
     """
 
     micro_batch_size_per_gpu: int = 1
@@ -177,8 +179,9 @@ class MegatronWorker:
         """Index lists of the micro-batches of this rank's share."""
         multiple = self.pp_size if self.vpp_size else 1  # the interleaved schedule's requirement
         if config.use_dynamic_bsz:
+            # A GPU holds 1/CP of each sequence: the budget counts whole sequences' tokens x CP.
             return token_budget_micro_batches(
-                batch.sequence_lengths(), config.max_token_len_per_gpu, min_num_micro_batches=multiple,
+                batch.sequence_lengths(), config.max_token_len_per_gpu * self.cp_size, min_num_micro_batches=multiple,
                 count_multiple_of=multiple, sync_group=self.pp_group, config_key=config_key,
             )
         parts = fixed_micro_batches(len(batch), config.micro_batch_size_per_gpu)
@@ -457,9 +460,11 @@ class TrainableWorker(MegatronWorker):
                     dist.all_reduce(counts, group=self.dp_group)
                 # The Dr.GRPO normaliser: responses are padded to data.max_response_length.
                 scale = LossScale.from_counts(counts.cpu(), max_response_length=batch.response_length)
-                # megatron averages over micro-batches (schedule) and DP x CP ranks (DDP); the shares
-                # must be summed (each CP rank's gradient is its tokens' share), so undo both averages.
-                undo_averaging = len(micro_batches) * self.dp_size * self.cp_size
+                # megatron averages over micro-batches (schedule) and DP ranks (DDP); the shares
+                # must be summed, so undo both averages. (Under CP the DDP average also runs over the
+                # CP ranks, each holding its tokens' share of the gradient; megatron's schedule
+                # multiplies the loss by CP to undo that itself.)
+                undo_averaging = len(micro_batches) * self.dp_size
 
                 def step(output, inputs, micro_batch, scale=scale, factor=undo_averaging):
                     result = loss_fn(output, inputs, micro_batch, scale)

@@ -47,10 +47,12 @@ def make_batch(vocab_size: int, seed: int):
 
 
 def parse_layout(text: str) -> dict:
-    values = [int(x) for x in text.split(",")]
-    tp, pp, vpp, sp, packing, dynamic, ep, etp = values + [1, 0][len(values) - 6:]
+    fields = text.split(",")
+    comm = fields.pop() if len(fields) == 10 else "p2p"  # the CP comm type, a name
+    values = [int(x) for x in fields]
+    tp, pp, vpp, sp, packing, dynamic, ep, etp, cp = values + [1, 0, 1][len(values) - 6:]
     return dict(tp=tp, pp=pp, vpp=vpp or None, sp=bool(sp), packing=bool(packing), dynamic=bool(dynamic), ep=ep,
-                etp=etp or None)
+                etp=etp or None, cp=cp, comm=comm)
 
 
 def use_layout(spec: dict):
@@ -62,6 +64,7 @@ def use_layout(spec: dict):
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     layout = ParallelLayout(spec["tp"], spec["pp"], spec["vpp"], sequence_parallel=spec["sp"],
+                            context_parallel_size=spec.get("cp", 1), cp_comm_type=spec.get("comm", "p2p"),
                             expert_model_parallel_size=spec.get("ep", 1),
                             expert_tensor_parallel_size=spec.get("etp"))
     initialize_model_parallel(layout, seed=5)
@@ -390,7 +393,7 @@ def check_routing_mismatch(hf_dir: Path, seed: int, results: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hf-dir", type=Path, required=True)
-    parser.add_argument("--layouts", nargs="*", default=[], help="tp,pp,vpp,sp,packing,dynamic[,ep[,etp]] (etp 0 = tp)")
+    parser.add_argument("--layouts", nargs="*", default=[], help="tp,pp,vpp,sp,packing,dynamic[,ep[,etp[,cp,comm]]] (etp 0 = tp; comm: a cp_comm_type)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check-vocab-parallel", action="store_true")
     parser.add_argument("--check-reference", action="store_true")
