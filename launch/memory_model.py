@@ -148,6 +148,27 @@ def layer_activation_bytes(
     return replicated / sequence_split + (attention + mlp) / t
 
 
+def context_parallel_exchange_bytes(shape: LayerShape, tokens: float, tensor_model_parallel_size: int,
+                                    context_parallel_size: int, comm_type: str, activation_bytes: int = 2) -> float:
+    """The K/V exchange buffers of one attention layer on one CP rank, for ``tokens`` of whole
+    sequences (the rank holds 1/CP of them): working memory while the layer runs.
+
+    all_gather: the whole sequence's K and V; p2p (ring): the K/V block being computed on and the one
+    arriving (2 blocks of this rank's size); a2a: Q, K, V and the output re-laid as the whole sequence
+    of 1/CP of the heads (the size of this rank's own); a2a+p2p: both.
+    """
+    if context_parallel_size == 1:
+        return 0.0
+    t = tensor_model_parallel_size
+    kv = 2 * shape.num_query_groups * shape.kv_channels / t  # K and V widths on this TP rank
+    q = shape.num_attention_heads * shape.kv_channels / t
+    local = tokens / context_parallel_size
+    ring = 2 * local * kv
+    all_to_all = local * (2 * q + kv)
+    elements = {"all_gather": tokens * kv, "p2p": ring, "a2a": all_to_all, "a2a+p2p": all_to_all + ring}[comm_type]
+    return elements * activation_bytes
+
+
 def moe_dispatch_bytes(shape: LayerShape, tokens: float, tensor_model_parallel_size: int = 1,
                        sequence_parallel: bool = False, activation_bytes: int = 2) -> float:
     """The all-to-all token dispatcher's send and receive buffers of one MoE layer (k rows of h per
@@ -408,12 +429,17 @@ class ModelMemoryConfig:
         )
 
     def _working_set_bytes(self, tokens: float) -> float:
-        """The running layer: all it stores, and an MoE layer's dispatcher buffers."""
+        """The running layer: all it stores, an MoE layer's dispatcher buffers and the context-parallel
+        K/V exchange."""
         shape = LayerShape.from_architecture(self.architecture, self.flash_attention)
-        dispatch = moe_dispatch_bytes(shape, tokens / self.layout.context_parallel_size,
-                                      self.layout.tensor_model_parallel_size, self.layout.sequence_parallel,
+        layout = self.layout
+        dispatch = moe_dispatch_bytes(shape, tokens / layout.context_parallel_size,
+                                      layout.tensor_model_parallel_size, layout.sequence_parallel,
                                       self.params_dtype_bytes) if shape.num_experts else 0.0
-        return self._layer_bytes(tokens, None) + dispatch
+        exchange = context_parallel_exchange_bytes(shape, tokens, layout.tensor_model_parallel_size,
+                                                   layout.context_parallel_size, layout.cp_comm_type,
+                                                   self.params_dtype_bytes)
+        return self._layer_bytes(tokens, None) + dispatch + exchange
 
     def _logit_bytes(self, tokens: float, training: bool) -> float:
         if self.value_head:

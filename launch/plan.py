@@ -181,17 +181,18 @@ def _sequence_length(config: ExperimentConfig) -> int:
     return config.data.max_prompt_length + config.data.max_response_length
 
 
-def _tokens(dynamic: bool, budget: int, micro_batch: int | None, config: ExperimentConfig) -> int:
-    """Tokens per GPU in one micro-batch: the token budget, or micro-batch x padded length."""
-    return budget if dynamic else micro_batch * _sequence_length(config)
+def _tokens(dynamic: bool, budget: int, micro_batch: int | None, config: ExperimentConfig, context_parallel: int) -> int:
+    """Tokens of whole sequences in one micro-batch of a GPU (CP splits them): the token budget
+    (a GPU's share: x CP), or micro-batch x padded length."""
+    return budget * context_parallel if dynamic else micro_batch * _sequence_length(config)
 
 
 def _num_microbatches(dynamic: bool, budget: int, mini_batch: int, micro_batch: int | None,
-                      data_parallel: int, config: ExperimentConfig) -> int:
+                      data_parallel: int, config: ExperimentConfig, context_parallel: int) -> int:
     """Micro-batches per rank per optimizer step (an upper bound with dynamic batching)."""
     sequences = mini_batch * config.actor_rollout_ref.rollout.n // data_parallel
     if dynamic:
-        return max(1, math.ceil(sequences * _sequence_length(config) / budget))
+        return max(1, math.ceil(sequences * _sequence_length(config) / (budget * context_parallel)))
     return max(1, sequences // micro_batch)
 
 
@@ -233,6 +234,7 @@ def memory_inputs(config: ExperimentConfig, world_size: int) -> tuple[list[Model
     architecture, source = resolve_architecture(arr.model.path, "actor_rollout_ref.model.path")
     _check_split(architecture, actor.megatron, "actor_rollout_ref.actor.megatron")
     actor_layout, actor_dp = _layout_and_dp(actor.megatron, training_world)
+    actor_cp = actor_layout.context_parallel_size
     seq_len = _sequence_length(config)
     param_bytes = DTYPE_BYTES[actor.megatron.param_dtype]
     models = [
@@ -242,13 +244,13 @@ def memory_inputs(config: ExperimentConfig, world_size: int) -> tuple[list[Model
             use_distributed_optimizer=actor.megatron.use_distributed_optimizer,
             recompute_granularity="full" if arr.model.enable_gradient_checkpointing else None,
             train_tokens_per_microbatch=_tokens(actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu,
-                                                actor.ppo_micro_batch_size_per_gpu, config),
+                                                actor.ppo_micro_batch_size_per_gpu, config, actor_cp),
             forward_tokens_per_microbatch=_tokens(actor.use_dynamic_bsz, rollout.log_prob_max_token_len_per_gpu,
-                                                  rollout.log_prob_micro_batch_size_per_gpu, config),
+                                                  rollout.log_prob_micro_batch_size_per_gpu, config, actor_cp),
             sequence_length=seq_len,
             num_microbatches=_num_microbatches(actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu,
                                                actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
-                                               actor_dp, config),
+                                               actor_dp, config, actor_cp),
             offload=_offload(actor.megatron),
             **_lora(arr.model),
         )
@@ -259,7 +261,7 @@ def memory_inputs(config: ExperimentConfig, world_size: int) -> tuple[list[Model
             role="ref", architecture=architecture, layout=actor_layout, data_parallel_size=actor_dp,
             trainable=False, params_dtype_bytes=param_bytes,
             forward_tokens_per_microbatch=_tokens(actor.use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu,
-                                                  arr.ref.log_prob_micro_batch_size_per_gpu, config),
+                                                  arr.ref.log_prob_micro_batch_size_per_gpu, config, actor_cp),
             sequence_length=seq_len, offload=OffloadPolicy(param_offload=arr.ref.megatron.param_offload),
         ))
     if config.built_models().critic:
@@ -268,8 +270,9 @@ def memory_inputs(config: ExperimentConfig, world_size: int) -> tuple[list[Model
         _check_split(critic_architecture, critic.megatron, "critic.megatron")
         critic_layout, critic_dp = _layout_and_dp(critic.megatron, training_world)
         critic_bytes = DTYPE_BYTES[critic.megatron.param_dtype]
+        critic_cp = critic_layout.context_parallel_size
         critic_tokens = _tokens(critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu,
-                                critic.ppo_micro_batch_size_per_gpu, config)
+                                critic.ppo_micro_batch_size_per_gpu, config, critic_cp)
         models.append(ModelMemoryConfig(
             role="critic", architecture=critic_architecture, layout=critic_layout, data_parallel_size=critic_dp,
             trainable=True, value_head=True, params_dtype_bytes=critic_bytes,
@@ -280,7 +283,7 @@ def memory_inputs(config: ExperimentConfig, world_size: int) -> tuple[list[Model
             sequence_length=seq_len,
             num_microbatches=_num_microbatches(critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu,
                                                critic.ppo_mini_batch_size, critic.ppo_micro_batch_size_per_gpu,
-                                               critic_dp, config),
+                                               critic_dp, config, critic_cp),
             offload=_offload(critic.megatron),
         ))
     rollout_config = RolloutMemoryConfig(

@@ -30,13 +30,11 @@ This module holds what a CP rank needs beside megatron's own code:
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-# The schedules the stand-in for TE's kernels runs (the others need Transformer Engine).
-STAND_IN_COMM_TYPES = ("all_gather", "a2a")
+from parallel.layout import CP_COMM_TYPES, STAND_IN_COMM_TYPES
+
 
 
 def row_positions(width: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
@@ -185,29 +183,3 @@ class ContextParallelAttention(torch.nn.Module):
         exchanged = all_to_all(self.cp_group, whole.contiguous()).reshape(cp_size, s // cp_size, b, h, hn)
         return exchanged.permute(1, 2, 0, 3, 4).reshape(s // cp_size, b, cp_size * h, hn)
 
-
-def kv_exchange_bytes(comm_type: str, tokens: int, kv_hidden: int, hidden_per_rank: int, cp_size: int,
-                      bytes_per_element: int) -> int:
-    """Extra activation bytes one attention layer of a CP rank holds for the exchange, by comm type
-    (the planner's model; ``tokens`` is the whole sequence, ``kv_hidden`` key + value widths of this
-    TP rank, ``hidden_per_rank`` its query width).
-
-    all_gather: the whole sequence's keys and values; p2p: two K/V blocks in flight (this rank's and the
-    next); a2a: the whole sequence of 1/cp of the heads, for Q, K, V and the output; a2a+p2p: a2a
-    within groups of sqrt(cp) and p2p between them (approximated by the p2p blocks of the a2a shape).
-    """
-    if cp_size == 1:
-        return 0
-    local = tokens // cp_size
-    if comm_type == "all_gather":
-        elements = tokens * kv_hidden
-    elif comm_type == "p2p":
-        elements = 2 * local * kv_hidden
-    elif comm_type == "a2a":
-        elements = tokens * (2 * hidden_per_rank + kv_hidden) // cp_size
-    elif comm_type == "a2a+p2p":
-        group = max(1, int(math.isqrt(cp_size)))
-        elements = local * group * (2 * hidden_per_rank + 3 * kv_hidden) // group
-    else:
-        raise ValueError(f"cp_comm_type={comm_type!r}: one of {', '.join(CP_COMM_TYPES)}")
-    return elements * bytes_per_element

@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+# megatron's cp_comm_type values: how context-parallel ranks exchange keys and values.
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+# The ones parallel.context_parallel's stand-in for Transformer Engine's kernels runs.
+STAND_IN_COMM_TYPES = ("all_gather", "a2a")
+
+
 class LayoutError(ValueError):
     """An impossible parallel layout; the message names the sizes in conflict."""
 
@@ -99,8 +105,6 @@ class ParallelLayout:
                     "virtual_pipeline_model_parallel_size > 1 needs pipeline_model_parallel_size > 1 "
                     f"(got vpp={vpp}, pp=1)"
                 )
-        from parallel.context_parallel import CP_COMM_TYPES
-
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise LayoutError(f"cp_comm_type={self.cp_comm_type!r}: one of {', '.join(CP_COMM_TYPES)}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:

@@ -307,8 +307,6 @@ def test_torch_engine_has_no_tensor_parallelism():
 
 def test_features_not_built_yet_are_refused():
     assert "critic.model.lora_rank=8: LoRA is built for the actor only" in error_of(DEMO, ["critic.model.lora_rank=8"])
-    assert "context parallelism is not built yet" in error_of(
-        DEMO, ["actor_rollout_ref.actor.megatron.context_parallel_size=2"])
 
 
 def test_lora_target_modules_checked():
@@ -539,3 +537,45 @@ def test_weight_sync_modes_are_checked_by_name():
     assert "servers of their own (mode=disaggregated)" in error_of(
         DEMO, [*lora, "actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.mode=disaggregated",
                "actor_rollout_ref.rollout.num_gpus=1"])
+
+
+# ----------------------------------------------------------------------------- context parallelism
+
+ULYSSES = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+CP = "actor_rollout_ref.actor.megatron.context_parallel_size"
+COMM = "actor_rollout_ref.actor.megatron.cp_comm_type"
+
+
+def test_the_ulysses_key_is_context_parallelism_with_the_all_to_all():
+    config = load_config(DEMO, [f"{ULYSSES}=2"])
+    for megatron in (config.actor_rollout_ref.actor.megatron, config.critic.megatron, config.reward_model.megatron):
+        assert (megatron.context_parallel_size, megatron.cp_comm_type) == (2, "a2a")
+    assert load_config(DEMO, [f"{ULYSSES}=2", f"{CP}=2"]).actor_rollout_ref.actor.megatron.cp_comm_type == "a2a"
+    message = error_of(DEMO, [f"{ULYSSES}=2", f"{CP}=4"])
+    assert f"{ULYSSES}=2" in message and f"{CP}" in message and "set to 4" in message
+    message = error_of(DEMO, [f"{ULYSSES}=2", f"{COMM}=all_gather"])
+    assert f"{ULYSSES}=2" in message and COMM in message and "all_gather" in message
+
+
+def test_context_parallel_settings_the_model_or_machine_cannot_run_are_refused(model_dir):
+    # 9 heads, 3 key/value heads: the all-to-all cannot split 3 heads over 2 ranks.
+    model = model_dir
+    message = error_of(DEMO, [f"actor_rollout_ref.model.path={model}", f"{ULYSSES}=2"])
+    assert COMM in message and "a2a" in message and "3 key/value heads" in message and ULYSSES in message
+    assert load_config(DEMO, [f"actor_rollout_ref.model.path={model}", f"{CP}=2", f"{COMM}=all_gather"])
+    # p2p and a2a+p2p run inside Transformer Engine's attention, which CPU machines lack.
+    message = error_of(DEMO, [f"{CP}=2"])
+    assert "cp_comm_type=p2p" in message and "Transformer Engine" in message and "all_gather or a2a" in message
+    message = error_of(DEMO, [f"{CP}=2", f"{COMM}=ring"])
+    assert "ring" in message and "a2a+p2p" in message
+    # Under CP a GPU holds 1/CP of each sequence: the token budget counts that share.
+    dynamic = ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40"]
+    assert "ppo_max_token_len_per_gpu=40" in error_of(DEMO, dynamic)
+    assert load_config(DEMO, [*dynamic, f"{ULYSSES}=2"])
+
+
+def test_the_seed_recipe_with_ulysses_passes_check(demo_model, capsys):
+    import launch.cli
+
+    assert launch.cli.main([str(DEMO), f"{ULYSSES}=2", "trainer.checkpoint.every_n_steps=5", "--check"]) == 0
+    assert "usable" in capsys.readouterr().out

@@ -18,6 +18,9 @@ WEIGHT_SYNC_TARGETS = ("sharded", "full")
 LORA_SYNCS = ("merged", "adapters")
 
 
+# verl's Ulysses sequence parallelism, read as megatron's context parallelism (engine.config.loader).
+ULYSSES_KEY = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+
 @dataclass
 class PolicyLossConfig:
     """``actor_rollout_ref.actor.policy_loss.*``.

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import (InterpolationResolutionError, MissingMandatoryValue,
                               OmegaConfBaseException)
 
+from engine.config.actor_rollout_ref import ULYSSES_KEY
 from engine.config.errors import ConfigError
 from engine.config.experiment import ExperimentConfig
 
@@ -360,9 +361,6 @@ def _to_object(merged: DictConfig) -> ExperimentConfig:
         raise _type_error(error, "after interpolation") from None
     except ValueError as error:  # a section's own __post_init__ check (e.g. reward_model)
         raise ConfigError(str(error)) from None
-
-
-ULYSSES_KEY = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
 
 
 def ulysses_meaning(size: int) -> str:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from engine.config.actor_rollout_ref import LORA_SYNCS, ROLLOUT_DTYPES, ROLLOUT_MODES, WEIGHT_SYNC_TARGETS
+from engine.config.actor_rollout_ref import LORA_SYNCS, ROLLOUT_DTYPES, ROLLOUT_MODES, ULYSSES_KEY, WEIGHT_SYNC_TARGETS
 from engine.config.algorithm import FILTER_GROUP_METRICS, GROUP_ESTIMATORS
 from engine.config.data import TRUNCATION_MODES
 from engine.config.errors import ConfigError
@@ -385,6 +385,8 @@ def _check_model_shape(path_key: str, model_path: str, megatron_key: str, megatr
             f"and num_key_value_heads={kv_heads} (from {source}): each TP rank holds whole heads. "
             f"Valid TP sizes for this model: {_divisors(math.gcd(heads, kv_heads))}."
         )
+    if megatron.context_parallel_size > 1:
+        _check_context_parallel(megatron_key, megatron, heads // tp, kv_heads // tp, source)
     pp = megatron.pipeline_model_parallel_size
     vpp = megatron.virtual_pipeline_model_parallel_size or 1
     if layers % (pp * vpp):
@@ -402,6 +404,24 @@ def _check_model_shape(path_key: str, model_path: str, megatron_key: str, megatr
             f"and num_key_value_heads={kv_heads} must divide it or be divisible by it (from {source}). "
             f"Valid generation TP sizes divide {heads}: {_divisors(heads)}."
         )
+
+
+def _check_context_parallel(megatron_key: str, megatron: MegatronConfig, heads_per_tp_rank: int,
+                            kv_heads_per_tp_rank: int, source: str) -> None:
+    from parallel.layout import STAND_IN_COMM_TYPES
+
+    cp, comm = megatron.context_parallel_size, megatron.cp_comm_type
+    setting = f"{megatron_key}.context_parallel_size={cp} with {megatron_key}.cp_comm_type={comm}"
+    if comm not in STAND_IN_COMM_TYPES and importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError(
+            f"{setting}: that exchange runs in Transformer Engine's attention, which this machine does not have; "
+            f"without it context parallelism runs {' or '.join(STAND_IN_COMM_TYPES)}.")
+    if comm == "a2a" and (heads_per_tp_rank % cp or kv_heads_per_tp_rank % cp):
+        raise ConfigError(
+            f"{setting} (also what {ULYSSES_KEY} sets): the all-to-all splits each tensor-parallel rank's "
+            f"{heads_per_tp_rank} attention heads and {kv_heads_per_tp_rank} key/value heads (from {source}) over "
+            f"the CP ranks, so both must divide by {cp}; use cp_comm_type=all_gather (or p2p with Transformer Engine), "
+            "or a smaller CP.")
 
 
 def _check_rollout(config: ExperimentConfig, training_world: int) -> None:
