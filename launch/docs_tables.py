@@ -27,12 +27,13 @@ SCALE_ROWS = {
     "yaml/qwen2.5-72b_ppo_8node.yaml": "TP8 PP8 VPP2 DP1",
     "yaml/qwen2.5-72b_ppo_16node.yaml": "TP8 PP4 VPP5 DP4",
     "yaml/qwen3-8b_grpo_gsm8k.yaml": "TP2 PP1 DP4 (GRPO: no critic)",
+    "yaml/qwen3-8b_grpo_32k_cp.yaml": "TP2 PP1 CP2 (a2a) DP2 (GRPO: no critic; 33k-token sequences)",
     "yaml/qwen3-30b-a3b_grpo_gsm8k.yaml": "TP4 PP2 EP4 ETP1 DP1 (MoE; GRPO: no critic, no reference)",
     "yaml/llama3-70b_lora_grpo_1node.yaml": "TP8 PP1 DP1 (LoRA r32; GRPO: no critic; reference = adapters off)",
     "yaml/qwen2.5-72b_lora_grpo_1node.yaml": "TP8 PP1 DP1 (LoRA r32; GRPO: no critic; reference = adapters off)",
 }
 # The experiments with a full table in docs/planner.md (each under a "### `yaml/...`" heading).
-PLANNER_TABLES = list(SCALE_ROWS)[:4]
+PLANNER_TABLES = [*list(SCALE_ROWS)[:4], "yaml/qwen3-8b_grpo_32k_cp.yaml"]
 
 
 def sync_cell(report: PlanReport) -> str:

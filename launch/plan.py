@@ -409,7 +409,10 @@ def _layout_text(model: ModelMemoryConfig) -> str:
     if model.recompute_granularity:
         extras.append(f"recompute={model.recompute_granularity}")
     tokens = model.train_tokens_per_microbatch if model.trainable else model.forward_tokens_per_microbatch
-    extras.append(f"{tokens} tokens/micro-batch")
+    cp = layout.context_parallel_size
+    extras.append(f"{tokens} tokens/micro-batch" + (f", {tokens // cp} per GPU" if cp > 1 else ""))
+    if cp > 1:
+        extras.append(f"cp_comm_type={layout.cp_comm_type}")
     return f"{'x'.join(parts)} ({', '.join(extras)})"
 
 

@@ -53,11 +53,12 @@ from typing import Any, Sequence
 from engine.config import ConfigError, ExperimentConfig, load_config, to_yaml
 from engine.config.loader import type_of_key
 from engine.models.char_tokenizer import VOCAB_SIZE
+from parallel.layout import STAND_IN_COMM_TYPES
 
 PROMPT_CAP = 128  # tokens (characters of the stand-in tokenizer)
 RESPONSE_CAP = 16
 MICRO_BATCH_CAP = 2
-PARALLEL_CAP = 2  # tensor, pipeline, virtual pipeline, data and expert parallel sizes
+PARALLEL_CAP = 2  # tensor, pipeline, virtual pipeline, context, data and expert parallel sizes
 OPTIMIZER_STEPS_CAP = 2  # mini-batches per iteration
 HEAD_DIM = 8
 EXPERTS_CAP = 4
@@ -120,10 +121,11 @@ class _Changes:
 
 
 def tiny_model_config(architecture, tensor_parallel: int, pipeline_stages: int, generation_tp: int,
-                      vocab_size: int, max_positions: int) -> dict[str, Any]:
-    """HF config fields of a tiny model of ``architecture``'s family that the shrunk layout can split."""
+                      vocab_size: int, max_positions: int, context_parallel: int = 1) -> dict[str, Any]:
+    """HF config fields of a tiny model of ``architecture``'s family that the shrunk layout can split
+    (CP's all-to-all splits each TP rank's key/value heads too)."""
     group = architecture.num_attention_heads // architecture.num_query_groups
-    kv_heads = max(tensor_parallel, generation_tp)
+    kv_heads = max(tensor_parallel * context_parallel, generation_tp)
     heads = kv_heads * group
     hidden = heads * HEAD_DIM
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": architecture.rotary_base}
@@ -211,7 +213,13 @@ def _shrunk_layout(megatron) -> dict[str, Any]:
         "tensor_model_parallel_size": min(megatron.tensor_model_parallel_size, PARALLEL_CAP),
         "pipeline_model_parallel_size": pp,
         "virtual_pipeline_model_parallel_size": min(vpp, PARALLEL_CAP) if vpp and pp > 1 else None,
+        "context_parallel_size": min(megatron.context_parallel_size, PARALLEL_CAP),
     }
+
+
+def _model_parallel_ranks(layout: dict[str, Any]) -> int:
+    return (layout["tensor_model_parallel_size"] * layout["pipeline_model_parallel_size"]
+            * layout["context_parallel_size"])
 
 
 def _generation_tp(written_tg: int, written_tp: int, tp: int, pp: int) -> int:
@@ -235,8 +243,8 @@ def plan_rehearsal(yaml_path: str, base_overrides: Sequence[str], config: Experi
     tp, pp = layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"]
     written_world = config.trainer.nnodes * config.trainer.n_gpus_per_node
     written_dp = actor_megatron.layout().data_parallel_size(written_world)
-    dp = max(1, min(written_dp, PARALLEL_CAP, max_ranks // (tp * pp)))
-    world = tp * pp * dp
+    dp = max(1, min(written_dp, PARALLEL_CAP, max_ranks // _model_parallel_ranks(layout)))
+    world = _model_parallel_ranks(layout) * dp
     # Megatron splits the experts over a stage's ranks (expert TP x EP of the tp x dp); the tiny model's
     # must divide. A dense model's EP > 1 stays > 1, to fail at start-up as the real run would.
     expert_tp = actor_megatron.expert_tensor_parallel_size
@@ -253,6 +261,11 @@ def plan_rehearsal(yaml_path: str, base_overrides: Sequence[str], config: Experi
         changes.set(f"{prefix}.expert_model_parallel_size", ep,
                     f"the tiny model's experts split over at most {tp * dp // (expert_tp or tp)} ranks "
                     "(a stage's TP x DP ranks / expert TP)")
+    if layout["context_parallel_size"] > 1 and actor_megatron.cp_comm_type not in STAND_IN_COMM_TYPES:
+        for prefix in (ACTOR_MEGATRON, CRITIC_MEGATRON):
+            changes.set(f"{prefix}.cp_comm_type", "all_gather",
+                        f"{actor_megatron.cp_comm_type} runs in Transformer Engine (GPU); the CPU's CP attention "
+                        "exchanges keys and values by all_gather")
     rollout_tp = _generation_tp(arr.rollout.tensor_model_parallel_size, actor_megatron.tensor_model_parallel_size,
                                 tp, pp)
     changes.set("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout_tp,
@@ -413,7 +426,8 @@ def rehearse(yaml_path: str, overrides: Sequence[str], *, steps: int, max_ranks:
                         config.actor_rollout_ref.actor.megatron.tensor_model_parallel_size,
                         layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"])
     fields = tiny_model_config(architecture, layout["tensor_model_parallel_size"], stages, tg, VOCAB_SIZE,
-                               max_positions=2 * (PROMPT_CAP + RESPONSE_CAP))
+                               max_positions=2 * (PROMPT_CAP + RESPONSE_CAP),
+                               context_parallel=layout["context_parallel_size"])
     model_dir = write_tiny_model(fields, out_dir / "model")
 
     train_files, val_files = list(config.data.train_files), list(config.data.val_files)
