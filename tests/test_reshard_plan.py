@@ -254,6 +254,28 @@ def test_plan_moves_exactly_the_missing_slices(pp, tp, dp, vpp, tg, target):
         assert all(plan.traffic(r).output == model for r in range(plan.layout.world_size))
 
 
+# (pp, tp, dp, vpp, tp_gen) with context parallelism 2: CP ranks hold the same weights (megatron
+# replicates the model over CP as over DP).
+CONTEXT_PARALLEL_LAYOUTS = [(1, 2, 1, 1, 2), (2, 2, 1, 1, 1), (1, 2, 2, 1, 1), (2, 1, 1, 1, 2), (1, 1, 2, 1, 1),
+                            (2, 2, 1, 2, 4)]
+
+
+@pytest.mark.parametrize("pp, tp, dp, vpp, tg", CONTEXT_PARALLEL_LAYOUTS)
+@pytest.mark.parametrize("target", list(ReshardTarget))
+def test_context_parallel_ranks_receive_each_missing_slice_once(pp, tp, dp, vpp, tg, target):
+    """At CP2 every rank receives exactly its lower bound, no row twice (the replay checks it), and the
+    ranks receive what the same world at CP1 (twice the data-parallel ranks) receives: CP adds no bytes."""
+    specs = tiny_specs(pp, tp, vpp, groups=8, layers=max(4, pp * vpp))
+    plan = ReshardPlan(hybrid(pp, tp, dp, vpp, tg, cp=2), specs, target, torch.float32)
+    received = simulate(plan)
+    for rank in range(plan.layout.world_size):
+        assert plan.traffic(rank).received == plan.traffic(rank).lower_bound == received[rank] * 4
+    without_cp = ReshardPlan(hybrid(pp, tp, 2 * dp, vpp, tg), specs, target, torch.float32)
+    world = plan.layout.world_size
+    assert sorted(plan.traffic(r).received for r in range(world)) == \
+        sorted(without_cp.traffic(r).received for r in range(world))
+
+
 @pytest.mark.parametrize("pp, tp, dp, vpp, tg", LAYOUTS)
 def test_a_generation_padding_of_its_own_moves_exactly_the_missing_real_rows(pp, tp, dp, vpp, tg):
     # 60 vocab rows: Megatron pads them to a multiple of 8 x TP (64); the engine pads to a multiple
