@@ -27,14 +27,14 @@ from parallel.state import find_free_port
 MIB = 1024 * 1024
 
 
-def _status_kib(field: str) -> int:
+def status_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise KeyError(field)
 
 
-def _reset_peak_rss() -> bool:
+def reset_peak_rss() -> bool:
     try:
         Path("/proc/self/clear_refs").write_text("5")  # 5: reset VmHWM to the current RSS
         return True
@@ -55,8 +55,8 @@ def worker(hf_dir: Path, tensor_model_parallel_size: int, out_dir: Path) -> None
     initialize_model_parallel(layout, seed=0)
     import megatron.core.models.gpt  # noqa: F401  (imports count as baseline, not as loading)
 
-    peak_was_reset = _reset_peak_rss()
-    baseline_kib = _status_kib("VmRSS")
+    peak_was_reset = reset_peak_rss()
+    baseline_kib = status_kib("VmRSS")
     started = time.perf_counter()
     chunks = build_model_chunks(hf_dir, layout, initialize_weights=False)
     built = time.perf_counter()
@@ -66,10 +66,10 @@ def worker(hf_dir: Path, tensor_model_parallel_size: int, out_dir: Path) -> None
     result = {
         "rank": torch.distributed.get_rank(),
         "baseline_rss_mib": baseline_kib / 1024,
-        "peak_rss_mib": _status_kib("VmHWM") / 1024,
-        "peak_minus_baseline_mib": (_status_kib("VmHWM") - baseline_kib) / 1024,
-        "final_rss_anon_mib": _status_kib("RssAnon") / 1024,
-        "final_rss_file_mib": _status_kib("RssFile") / 1024,
+        "peak_rss_mib": status_kib("VmHWM") / 1024,
+        "peak_minus_baseline_mib": (status_kib("VmHWM") - baseline_kib) / 1024,
+        "final_rss_anon_mib": status_kib("RssAnon") / 1024,
+        "final_rss_file_mib": status_kib("RssFile") / 1024,
         "shard_param_mib": param_bytes / MIB,
         "peak_reset_after_imports": peak_was_reset,
         "build_s": built - started,
