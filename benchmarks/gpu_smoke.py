@@ -180,7 +180,7 @@ def run(steps: int, cpu: bool, work: Path) -> dict[str, Any]:
     started = time.perf_counter()
     cfg = load_config(EXPERIMENT, [*prepare(work, cpu), f"trainer.total_training_steps={steps}"], world_size=1)
     megatron = cfg.actor_rollout_ref.actor.megatron
-    initialize_model_parallel(megatron.layout(), seed=megatron.seed)
+    initialize_model_parallel(megatron, seed=megatron.seed)
     run_dir = RunDirectory.create(cfg.trainer.default_local_dir)
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

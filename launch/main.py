@@ -115,7 +115,7 @@ def run(yaml_path: str, overrides: Sequence[str]) -> None:
     from engine.trainer.ppo_trainer import run_ppo
     from parallel.state import destroy_model_parallel, initialize_model_parallel
 
-    initialize_model_parallel(cfg.actor_rollout_ref.actor.megatron.layout(), seed=cfg.trainer.seed,
+    initialize_model_parallel(cfg.actor_rollout_ref.actor.megatron, seed=cfg.trainer.seed,
                               timeout_minutes=cfg.trainer.collective_timeout_minutes)
     try:
         run_ppo(cfg)

@@ -422,7 +422,7 @@ class ModelMemoryConfig:
             tokens / self.layout.context_parallel_size,
             self.sequence_length,
             self.layout.tensor_model_parallel_size,
-            self.layout.sequence_parallel,
+            self.layout.uses_sequence_parallel,
             recompute,
             self.params_dtype_bytes,
             self.layout.expert_tensor_size,
@@ -434,7 +434,7 @@ class ModelMemoryConfig:
         shape = LayerShape.from_architecture(self.architecture, self.flash_attention)
         layout = self.layout
         dispatch = moe_dispatch_bytes(shape, tokens / layout.context_parallel_size,
-                                      layout.tensor_model_parallel_size, layout.sequence_parallel,
+                                      layout.tensor_model_parallel_size, layout.uses_sequence_parallel,
                                       self.params_dtype_bytes) if shape.num_experts else 0.0
         exchange = context_parallel_exchange_bytes(shape, tokens, layout.tensor_model_parallel_size,
                                                    layout.context_parallel_size, layout.cp_comm_type,

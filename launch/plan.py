@@ -197,13 +197,12 @@ def _num_microbatches(dynamic: bool, budget: int, mini_batch: int, micro_batch: 
 
 
 def _layout_and_dp(megatron: MegatronConfig, world: int):
-    layout = megatron.layout()
-    return layout, layout.data_parallel_size(world)
+    return megatron, megatron.data_parallel_size(world)
 
 
 def _check_split(architecture: ModelArchitecture, megatron: MegatronConfig, key: str) -> None:
     try:
-        architecture.validate_layout(megatron.layout())
+        architecture.validate_layout(megatron)
     except UnsupportedModelError as err:
         raise PlanError(f"{key}: {err}") from None
 
@@ -392,17 +391,7 @@ def weight_sync_received_bytes(architecture: ModelArchitecture, layout, world_si
 
 def _layout_text(model: ModelMemoryConfig) -> str:
     layout = model.layout
-    parts = [f"TP{layout.tensor_model_parallel_size}", f"PP{layout.pipeline_model_parallel_size}"]
-    if layout.virtual_pipeline_model_parallel_size:
-        parts.append(f"VPP{layout.virtual_pipeline_model_parallel_size}")
-    if layout.context_parallel_size > 1:
-        parts.append(f"CP{layout.context_parallel_size}")
-    if layout.expert_model_parallel_size > 1:
-        parts.append(f"EP{layout.expert_model_parallel_size}")
-    if layout.expert_tensor_size != layout.tensor_model_parallel_size:
-        parts.append(f"ETP{layout.expert_tensor_size}")
-    parts.append(f"DP{model.data_parallel_size}")
-    extras = ["SP"] if layout.sequence_parallel else []
+    extras = []
     if model.trainable:
         extras.append("dist-opt" if model.use_distributed_optimizer else "replicated optimizer")
     extras.append({2: "bf16", 4: "fp32"}.get(model.params_dtype_bytes, f"{model.params_dtype_bytes}B"))
@@ -411,9 +400,7 @@ def _layout_text(model: ModelMemoryConfig) -> str:
     tokens = model.train_tokens_per_microbatch if model.trainable else model.forward_tokens_per_microbatch
     cp = layout.context_parallel_size
     extras.append(f"{tokens} tokens/micro-batch" + (f", {tokens // cp} per GPU" if cp > 1 else ""))
-    if cp > 1:
-        extras.append(f"cp_comm_type={layout.cp_comm_type}")
-    return f"{'x'.join(parts)} ({', '.join(extras)})"
+    return f"{layout.describe(model.data_parallel_size)} ({', '.join(extras)})"
 
 
 def summary_lines(report: PlanReport) -> list[str]:
@@ -506,7 +493,7 @@ def json_dict(report: PlanReport) -> dict[str, Any]:
                 "expert_model_parallel_size": model.layout.expert_model_parallel_size,
                 "expert_tensor_parallel_size": model.layout.expert_tensor_size,
                 "data_parallel_size": model.data_parallel_size,
-                "sequence_parallel": model.layout.sequence_parallel,
+                "sequence_parallel": model.layout.uses_sequence_parallel,
                 "recompute_granularity": model.recompute_granularity,
             }
             for model in report.models

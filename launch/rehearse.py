@@ -242,7 +242,7 @@ def plan_rehearsal(yaml_path: str, base_overrides: Sequence[str], config: Experi
     layout = _shrunk_layout(actor_megatron)
     tp, pp = layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"]
     written_world = config.trainer.nnodes * config.trainer.n_gpus_per_node
-    written_dp = actor_megatron.layout().data_parallel_size(written_world)
+    written_dp = actor_megatron.data_parallel_size(written_world)
     dp = max(1, min(written_dp, PARALLEL_CAP, max_ranks // _model_parallel_ranks(layout)))
     world = _model_parallel_ranks(layout) * dp
     # Megatron splits the experts over a stage's ranks (expert TP x EP of the tp x dp); the tiny model's

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 # megatron's cp_comm_type values: how context-parallel ranks exchange keys and values.
@@ -15,23 +15,57 @@ class LayoutError(ValueError):
     """An impossible parallel layout; the message names the sizes in conflict."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class ParallelLayout:
-    """Megatron model parallelism of one model (actor, critic or reference).
+    """Megatron model parallelism of one model (actor, critic, reference or reward model), as megatron's
+    ``ModelParallelConfig`` holds it: the ``*.megatron`` config sections are this class plus their
+    precision (``engine.config.model``), and the HybridEngine's training layout is this plus the
+    data-parallel size (``parallel.hybrid_engine.TrainingLayout``).
 
     The data-parallel size is derived: world_size / (tensor * pipeline * context).
+
+    Attributes:
+        tensor_model_parallel_size: ranks that split each layer's matrices.
+        pipeline_model_parallel_size: pipeline stages (consecutive blocks of layers).
+        virtual_pipeline_model_parallel_size: model chunks per pipeline stage (interleaved
+            schedule); null = not interleaved.
+        context_parallel_size: ranks that split each sequence (megatron's context parallelism: each
+            rank holds 2 of 2 x CP load-balanced chunks of every row, or of every packed sequence).
+            Sequences (packed: each sequence) are padded to a multiple of 2 x CP (x TP with sequence
+            parallelism).
+        cp_comm_type: how CP ranks exchange keys and values in attention (megatron's ``cp_comm_type``):
+            "p2p" (ring), "all_gather", "a2a" (DeepSpeed-Ulysses: all-to-all over heads; the heads and
+            key/value heads of a TP rank must divide by CP) or "a2a+p2p" (a2a inside groups of up to
+            8 ranks, p2p between them). Without Transformer Engine (CPU) only "all_gather" and "a2a"
+            run (``parallel.context_parallel``).
+        expert_model_parallel_size: ranks that split the experts of MoE layers (Qwen3-MoE,
+            Mixtral) over the ranks of a pipeline stage; > 1 needs an MoE model (checked at start-up).
+        expert_tensor_parallel_size: ranks that split each expert's matrices; null = the TP size
+            (megatron's default). Must divide tensor_model_parallel_size; 1 keeps experts whole, so
+            expert parallelism can use the TP ranks too (expert TP x EP must divide TP x DP).
+        sequence_parallel: split the activations outside the tensor-parallel regions along the
+            sequence; only takes effect when tensor_model_parallel_size > 1 (with one TP rank there
+            is nothing to split), as in Megatron-LM.
     """
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None
     context_parallel_size: int = 1
-    # How CP ranks exchange keys and values (megatron's cp_comm_type; parallel.context_parallel).
     cp_comm_type: str = "p2p"
     expert_model_parallel_size: int = 1
-    # Ranks that split each expert's matrices; None: megatron's default, the TP size.
     expert_tensor_parallel_size: int | None = None
-    sequence_parallel: bool = False
+    sequence_parallel: bool = True
+
+    def as_layout(self) -> "ParallelLayout":
+        """The layout alone, of a config section or training layout that extends it (to compare two
+        models' layouts, or to extend it once more)."""
+        return ParallelLayout(**{field.name: getattr(self, field.name) for field in fields(ParallelLayout)})
+
+    @property
+    def uses_sequence_parallel(self) -> bool:
+        """Sequence parallelism in effect: asked for, and more than one TP rank to split over."""
+        return self.sequence_parallel and self.tensor_model_parallel_size > 1
 
     @property
     def expert_tensor_size(self) -> int:
@@ -50,8 +84,8 @@ class ParallelLayout:
         inner = max(size for size in range(1, min(cp, 8) + 1) if cp % size == 0)
         return [inner, cp // inner]
 
-    def describe(self) -> str:
-        """``tp2,pp2,vpp2,sp``-style summary for messages."""
+    def describe(self, data_parallel_size: int | None = None) -> str:
+        """``tp2,pp2,vpp2,dp2,sp``-style summary for messages (the data-parallel size where given)."""
         parts = [f"tp{self.tensor_model_parallel_size}", f"pp{self.pipeline_model_parallel_size}"]
         if self.virtual_pipeline_model_parallel_size:
             parts.append(f"vpp{self.virtual_pipeline_model_parallel_size}")
@@ -61,7 +95,9 @@ class ParallelLayout:
             parts.append(f"ep{self.expert_model_parallel_size}")
         if self.expert_tensor_size != self.tensor_model_parallel_size:
             parts.append(f"etp{self.expert_tensor_size}")
-        return ",".join(parts) + (",sp" if self.sequence_parallel else "")
+        if data_parallel_size is not None:
+            parts.append(f"dp{data_parallel_size}")
+        return ",".join(parts) + (",sp" if self.uses_sequence_parallel else "")
 
     @property
     def model_parallel_size(self) -> int:
@@ -107,8 +143,6 @@ class ParallelLayout:
                 )
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise LayoutError(f"cp_comm_type={self.cp_comm_type!r}: one of {', '.join(CP_COMM_TYPES)}")
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise LayoutError("sequence_parallel needs tensor_model_parallel_size > 1")
         if world_size % self.model_parallel_size:
             raise LayoutError(
                 f"world size {world_size} is not divisible by tensor ({self.tensor_model_parallel_size})"

@@ -49,7 +49,7 @@ def recorded_events(log_file: Path) -> list[dict]:
 def check_run(cfg: ExperimentConfig, logs: dict[int, Path], steps: int) -> None:
     """Every rank's recorded events equal the intended ones for ``cfg`` (colocated)."""
     megatron = cfg.actor_rollout_ref.actor.megatron
-    layout = HybridLayout(TrainingLayout.from_parallel_layout(megatron.layout(), len(logs)),
+    layout = HybridLayout(TrainingLayout.from_parallel_layout(megatron, len(logs)),
                           GenerationLayout(cfg.actor_rollout_ref.rollout.tensor_model_parallel_size))
     built = cfg.built_models()
     models = ["actor", *(["reference"] if built.reference else []), *(["critic"] if built.critic else []),

@@ -80,7 +80,7 @@ def test_gpu_layouts_fit_the_real_qwen_shapes(name, tmp_path):
 def test_demo_layout_fits_the_demo_model(tmp_path):
     model = write_hf_config(tmp_path / "demo-arith", **DEMO_SHAPE)
     config = load_config(YAML_DIR / "demo_cpu.yaml", [f"actor_rollout_ref.model.path={model}"], world_size=2)
-    assert config.actor_rollout_ref.actor.megatron.layout().data_parallel_size(2) == 2
+    assert config.actor_rollout_ref.actor.megatron.data_parallel_size(2) == 2
 
 
 def test_world_size_defaults_to_nnodes_times_gpus_per_node():
@@ -162,14 +162,14 @@ def test_sections_are_the_components_own_settings():
     assert (config.algorithm.adv_estimator, config.algorithm.gamma, config.algorithm.lam) == ("gae", 1.0, 0.95)
     assert config.algorithm.kl_ctrl.type == "adaptive"
     assert (config.data.train_batch_size, config.data.max_prompt_length) == (1024, 512)
-    layout = actor.megatron.layout()
+    layout = actor.megatron
     assert layout.tensor_model_parallel_size == 4 and layout.sequence_parallel
     assert layout.data_parallel_size(8) == 2
     assert config.reward_model.num_workers == 8
     # Cross-section defaults: the critic takes the actor's layout and batching, the reference and
     # the old-log-prob pass the actor's micro-batching.
     critic = config.critic
-    assert critic.megatron.layout() == layout and critic.model.path == config.actor_rollout_ref.model.path
+    assert critic.megatron.describe() == layout.describe() and critic.model.path == config.actor_rollout_ref.model.path
     assert (critic.ppo_mini_batch_size, critic.use_dynamic_bsz) == (actor.ppo_mini_batch_size, actor.use_dynamic_bsz)
     assert critic.forward_max_token_len_per_gpu == critic.ppo_max_token_len_per_gpu == 16384
     assert config.actor_rollout_ref.ref.log_prob_max_token_len_per_gpu == actor.ppo_max_token_len_per_gpu
@@ -179,7 +179,7 @@ def test_sections_are_the_components_own_settings():
     # sequence_parallel only takes effect with TP > 1.
     demo = load_config(YAML_DIR / "demo_cpu.yaml", world_size=2)
     assert demo.actor_rollout_ref.actor.megatron.sequence_parallel
-    assert not demo.actor_rollout_ref.actor.megatron.layout().sequence_parallel
+    assert not demo.actor_rollout_ref.actor.megatron.uses_sequence_parallel
 
 
 def test_importing_the_package_does_not_import_torch():

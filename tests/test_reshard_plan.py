@@ -86,7 +86,10 @@ LAYOUTS = [
 
 
 def hybrid(pp, tp, dp, vpp, tg, cp=1, ep=1, etp=None) -> HybridLayout:
-    return HybridLayout(TrainingLayout(tp, pp, dp, vpp if vpp > 1 else None, cp, ep, etp), GenerationLayout(tg))
+    training = TrainingLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
+                              virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, context_parallel_size=cp,
+                              expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    return HybridLayout(training, GenerationLayout(tg))
 
 
 # ---------------------------------------------------------------------------- layouts

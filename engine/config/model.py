@@ -7,6 +7,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from parallel.layout import ParallelLayout
+
 # megatron-core's OptimizerParamScheduler decay styles.
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 PARAM_DTYPES = ("bfloat16", "float16", "float32")
@@ -102,65 +104,20 @@ class OptimConfig:
 
 
 @dataclass
-class FrozenMegatronConfig:
+class FrozenMegatronConfig(ParallelLayout):
     """``reward_model.megatron.*`` (and the first part of every ``*.megatron.*``): the Megatron 3D
-    layout and precision of one model.
-
-    The data-parallel size is derived: world_size / (tensor * pipeline * context).
+    layout of one model (this section *is* its ``parallel.layout.ParallelLayout``, whose attributes
+    are the layout keys) and its precision.
 
     Attributes:
-        tensor_model_parallel_size: ranks that split each layer's matrices.
-        pipeline_model_parallel_size: pipeline stages (consecutive blocks of layers).
-        virtual_pipeline_model_parallel_size: model chunks per pipeline stage (interleaved
-            schedule); null = not interleaved.
-        context_parallel_size: ranks that split each sequence (megatron's context parallelism: each
-            rank holds 2 of 2 x CP load-balanced chunks of every row, or of every packed sequence).
-            Sequences (packed: each sequence) are padded to a multiple of 2 x CP (x TP with sequence
-            parallelism).
-        cp_comm_type: how CP ranks exchange keys and values in attention (megatron's ``cp_comm_type``):
-            "p2p" (ring), "all_gather", "a2a" (DeepSpeed-Ulysses: all-to-all over heads; the heads and
-            key/value heads of a TP rank must divide by CP) or "a2a+p2p" (a2a inside groups of up to
-            8 ranks, p2p between them). Without Transformer Engine (CPU) only "all_gather" and "a2a"
-            run (``parallel.context_parallel``).
-        expert_model_parallel_size: ranks that split the experts of MoE layers (Qwen3-MoE,
-            Mixtral) over the ranks of a pipeline stage; > 1 needs an MoE model (checked at start-up).
-        expert_tensor_parallel_size: ranks that split each expert's matrices; null = the TP size
-            (megatron's default). Must divide tensor_model_parallel_size; 1 keeps experts whole, so
-            expert parallelism can use the TP ranks too (expert TP x EP must divide TP x DP).
-        sequence_parallel: split the activations outside the tensor-parallel regions along the
-            sequence; only takes effect when tensor_model_parallel_size > 1 (with one TP rank there
-            is nothing to split), as in Megatron-LM.
         param_dtype: precision of the weights: "bfloat16" (trained models keep fp32 main weights and
             gradients), "float16" (also dynamic loss scaling) or "float32".
         seed: seed of this model's initialisation (the critic's value head) and of megatron's
             model-parallel RNG streams while it is built.
     """
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None
-    context_parallel_size: int = 1
-    cp_comm_type: str = "p2p"
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: int | None = None
-    sequence_parallel: bool = True
     param_dtype: str = "bfloat16"
     seed: int = 42
-
-    def layout(self):
-        """The ``parallel.layout.ParallelLayout`` of this section (sequence parallel only with TP > 1)."""
-        from parallel.layout import ParallelLayout
-
-        return ParallelLayout(
-            tensor_model_parallel_size=self.tensor_model_parallel_size,
-            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
-            context_parallel_size=self.context_parallel_size,
-            cp_comm_type=self.cp_comm_type,
-            expert_model_parallel_size=self.expert_model_parallel_size,
-            expert_tensor_parallel_size=self.expert_tensor_parallel_size,
-            sequence_parallel=self.sequence_parallel and self.tensor_model_parallel_size > 1,
-        )
 
 
 @dataclass

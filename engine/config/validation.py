@@ -331,12 +331,11 @@ def _data_parallel_size(key: str, megatron: MegatronConfig, world: int, world_te
     """dp = world / (tp * pp * cp), after parallel.layout's checks (translated to ConfigError)."""
     from parallel.layout import LayoutError
 
-    layout = megatron.layout()
     try:
-        return layout.data_parallel_size(world)
+        return megatron.data_parallel_size(world)
     except LayoutError as error:
         message = f"{key}: {error}."
-        if world % layout.model_parallel_size == 0:
+        if world % megatron.model_parallel_size == 0:
             raise ConfigError(message) from None
         tp, pp, cp = (megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size,
                       megatron.context_parallel_size)
@@ -531,7 +530,7 @@ def _check_replica_placement(config: ExperimentConfig, training_world: int) -> N
     if config.actor_rollout_ref.rollout.name != "sglang" or training_world % per_node:
         return  # the embedded engine has no TP; a world that is not whole nodes is a local test
     try:
-        training = TrainingLayout.from_parallel_layout(config.actor_rollout_ref.actor.megatron.layout(), training_world)
+        training = TrainingLayout.from_parallel_layout(config.actor_rollout_ref.actor.megatron, training_world)
         layout = HybridLayout(training, GenerationLayout(config.actor_rollout_ref.rollout.tensor_model_parallel_size))
         layout.replica_placements(per_node)
     except LayoutError as error:
@@ -647,8 +646,8 @@ def _check_actor_batches(config: ExperimentConfig, actor_dp: int) -> None:
 
 
 def _check_critic_layout(config: ExperimentConfig) -> None:
-    actor, critic = config.actor_rollout_ref.actor.megatron.layout(), config.critic.megatron.layout()
-    if critic != actor:
+    actor, critic = config.actor_rollout_ref.actor.megatron, config.critic.megatron
+    if critic.as_layout() != actor.as_layout():
         raise ConfigError(
             f"critic.megatron's layout {critic.describe()} differs from the actor's {actor.describe()}: actor, "
             f"reference and critic train on one mesh today, so leave the critic's parallel sizes at their defaults "
@@ -681,8 +680,8 @@ def _check_reward_sources(config: ExperimentConfig) -> None:
             raise ConfigError("reward_model.enable=true needs reward_model.model.path: the HF folder of a "
                               "*ForSequenceClassification reward model.")
         _check_reward_model_folder(reward.model.path)
-        layout, actor = reward.megatron.layout(), config.actor_rollout_ref.actor.megatron.layout()
-        if layout != actor:
+        layout, actor = reward.megatron, config.actor_rollout_ref.actor.megatron
+        if layout.as_layout() != actor.as_layout():
             raise ConfigError(
                 f"reward_model.megatron's layout {layout.describe()} differs from the actor's {actor.describe()}: "
                 f"the reward model runs on the actor's mesh, so leave its parallel sizes at their defaults (the "

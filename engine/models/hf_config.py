@@ -352,7 +352,7 @@ def transformer_config_from_hf(
         hierarchical_context_parallel_sizes=layout.hierarchical_context_parallel_sizes,
         expert_model_parallel_size=layout.expert_model_parallel_size,
         expert_tensor_parallel_size=layout.expert_tensor_size,
-        sequence_parallel=layout.sequence_parallel,
+        sequence_parallel=layout.uses_sequence_parallel,
         perform_initialization=perform_initialization,
         bias_activation_fusion=fused,
         masked_softmax_fusion=fused,

@@ -26,7 +26,7 @@ def owner_of(megatron_name: str, architecture: ModelArchitecture, layout: Traini
     pp, vpp = layout.pipeline_model_parallel_size, layout.virtual_pipeline_stages
     match = _LAYER.match(megatron_name)
     if match:
-        return layout.parallel_layout.layer_owner(int(match.group(1)), architecture.num_layers)
+        return layout.layer_owner(int(match.group(1)), architecture.num_layers)
     if megatron_name.startswith("embedding."):
         return 0, 0
     return pp - 1, vpp - 1  # final norm, output layer / value head

@@ -111,7 +111,7 @@ def _build_model(model: ModelConfig, megatron: MegatronConfig, value_head: bool,
         tensor_parallel.model_parallel_cuda_manual_seed(megatron.seed)
         # initialize_weights=True marks TP-split weights for megatron's grad-norm; the HF load then
         # overwrites every value (value head excepted on a fresh critic).
-        chunks = build_model_chunks(model.path, megatron.layout(), value_head=value_head, initialize_weights=True,
+        chunks = build_model_chunks(model.path, megatron, value_head=value_head, initialize_weights=True,
                                     params_dtype=getattr(torch, megatron.param_dtype),
                                     moe_aux_loss_coeff=megatron.moe_aux_loss_coeff if trained else 0.0,
                                     gradient_accumulation_fusion=trained and fused_weight_gradients(),
@@ -166,7 +166,7 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
         "sharded" if arr.rollout.name == "sglang" and arr.rollout.weight_sync_target == "sharded" else "full")
     engine = None
     if not disaggregated:
-        engine = _start_colocated_engine(cfg, run, WeightSynchronizer.hybrid_layout(actor.megatron.layout(), arr.rollout,
+        engine = _start_colocated_engine(cfg, run, WeightSynchronizer.hybrid_layout(actor.megatron, arr.rollout,
                                                                                     sync_target))
     actor_role = MegatronActor(
         _build_model(arr.model, actor.megatron, value_head=False, role="actor"), actor,
@@ -197,7 +197,7 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
     if built.reward_model:
         reward_model = _build_reward_model(cfg, tokenizer)
 
-    weight_sync = WeightSynchronizer(actor_role.model_chunks, actor.megatron.layout(), arr.rollout, target=sync_target)
+    weight_sync = WeightSynchronizer(actor_role.model_chunks, actor.megatron, arr.rollout, target=sync_target)
     if weight_sync.fallback_reason:
         say(f"[trident] weight sync: full tensors on every generation GPU, not each GPU's shard "
             f"(actor_rollout_ref.rollout.weight_sync_target=sharded): {weight_sync.fallback_reason}")

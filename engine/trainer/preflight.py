@@ -72,13 +72,12 @@ def check_trainable_layout(architecture, megatron, key: str) -> None:
     """The model splits as ``key`` asks, and megatron-core can train it so."""
     from engine.models.hf_config import UnsupportedModelError
 
-    layout = megatron.layout()
     try:
-        architecture.validate_layout(layout)
+        architecture.validate_layout(megatron)
     except UnsupportedModelError as error:
         raise InputError(f"{key}: {error}") from None
-    tp = layout.tensor_model_parallel_size
-    if architecture.moe is not None and tp > 1 and not layout.sequence_parallel:
+    tp = megatron.tensor_model_parallel_size
+    if architecture.moe is not None and not megatron.uses_sequence_parallel and tp > 1:
         raise InputError(f"{key}.sequence_parallel=false: megatron-core trains the MoE layers of "
                          f"{architecture.model_type} at tensor_model_parallel_size={tp} only with sequence parallelism")
     if architecture.moe is None and megatron.moe_router_replay:

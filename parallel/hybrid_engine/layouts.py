@@ -83,17 +83,12 @@ class ReplicaPlacement:
     local_devices: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class TrainingLayout:
-    """Megatron's training layout with an explicit data-parallel size."""
+@dataclass
+class TrainingLayout(ParallelLayout):
+    """Megatron's training layout: a model's :class:`ParallelLayout` and its data-parallel size
+    (world size / model-parallel size), which fixes every rank's coordinates."""
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
     data_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: int | None = None  # None: the TP size
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
@@ -101,36 +96,13 @@ class TrainingLayout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LayoutError(f"TrainingLayout.{name} must be an integer >= 1, got {value!r}")
-        # The remaining checks (vpp needs pp > 1, ...) are ParallelLayout's.
-        self.parallel_layout.validate(self.world_size)
+        self.validate(self.world_size)  # vpp needs pp > 1, ...: ParallelLayout's checks
 
     @classmethod
     def from_parallel_layout(cls, layout: ParallelLayout, world_size: int) -> "TrainingLayout":
-        """The training layout of ``layout`` on ``world_size`` ranks (data parallelism derived)."""
-        return cls(
-            tensor_model_parallel_size=layout.tensor_model_parallel_size,
-            pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
-            data_parallel_size=layout.data_parallel_size(world_size),
-            virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
-            context_parallel_size=layout.context_parallel_size,
-            expert_model_parallel_size=layout.expert_model_parallel_size,
-            expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
-        )
-
-    @property
-    def expert_tensor_size(self) -> int:
-        return self.parallel_layout.expert_tensor_size
-
-    @cached_property  # coordinates() asks for the expert TP size of every rank
-    def parallel_layout(self) -> ParallelLayout:
-        return ParallelLayout(
-            tensor_model_parallel_size=self.tensor_model_parallel_size,
-            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
-            context_parallel_size=self.context_parallel_size,
-            expert_model_parallel_size=self.expert_model_parallel_size,
-            expert_tensor_parallel_size=self.expert_tensor_parallel_size,
-        )
+        """The training layout of ``layout`` (or of a config section, which is one) on ``world_size``
+        ranks (data parallelism derived)."""
+        return cls(**vars(layout.as_layout()), data_parallel_size=layout.data_parallel_size(world_size))
 
     @property
     def world_size(self) -> int:

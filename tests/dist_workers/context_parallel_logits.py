@@ -84,7 +84,7 @@ def main() -> None:
             for row, sequence in enumerate(sequences):
                 padded[row, : lengths[row]] = sequence[0]
                 mask[row, : lengths[row]] = 1
-            tp_factor = layout.tensor_model_parallel_size if layout.sequence_parallel else 1
+            tp_factor = layout.tensor_model_parallel_size if layout.uses_sequence_parallel else 1
             pack = pack_sequences(padded, mask, alignment=2 * layout.context_parallel_size * tp_factor)
             packed_logits = forward_only(chunks, pack.input_ids, micro_batch_size=1,
                                          attention_mask=pack.block_causal_mask(), broadcast_from_last_stage=True)

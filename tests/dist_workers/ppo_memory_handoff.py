@@ -54,7 +54,7 @@ def main() -> None:
     logging.getLogger("trident.memory").setLevel(logging.INFO)
     collectives: list = []
     record_collectives(collectives)
-    initialize_model_parallel(megatron.layout(), seed=megatron.seed, timeout_minutes=cfg.trainer.collective_timeout_minutes)
+    initialize_model_parallel(megatron, seed=megatron.seed, timeout_minutes=cfg.trainer.collective_timeout_minutes)
     assert control_plane_timeout() == datetime.timedelta(minutes=cfg.trainer.collective_timeout_minutes)
     calls: list = []
     watched: dict = {}

@@ -20,7 +20,7 @@ def demo_on_one_rank(overrides: list[str]):
     from parallel.state import destroy_model_parallel, initialize_model_parallel
 
     cfg = load_config("yaml/demo_cpu.yaml", overrides, world_size=1)
-    initialize_model_parallel(cfg.actor_rollout_ref.actor.megatron.layout(), seed=cfg.trainer.seed)
+    initialize_model_parallel(cfg.actor_rollout_ref.actor.megatron, seed=cfg.trainer.seed)
     try:
         yield cfg
     finally:
