@@ -2,7 +2,9 @@
 that stands in for Transformer Engine's kernels, and the models and roles run with it.
 
 - logits of tiny Llama, Qwen2, Qwen3 and Qwen3-MoE at CP2, CP2 x TP2 + SP and CP2 x PP2, left-aligned
-  (causal) and packed (block-causal), with both comm types the stand-in runs, equal transformers';
+  (causal) and packed (block-causal), with both comm types the stand-in runs (a2a at TP2 on a Qwen3
+  with 4 key/value heads: the others have 2, one per TP rank, which a2a cannot split), equal
+  transformers';
 - the split itself against megatron's and Transformer Engine's definitions.
 """
 
@@ -12,13 +14,16 @@ import json
 
 import pytest
 import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from parallel.context_parallel import row_positions, thd_positions
 from tests.distributed import run_torchrun
-from tests.test_models_parity import save_tiny_checkpoints, save_tiny_moe_checkpoints
+from tests.test_models_parity import save_checkpoints, save_tiny_checkpoints, save_tiny_moe_checkpoints
 
 # tp,pp,sp,cp,comm
 LAYOUTS = ["1,1,0,2,all_gather", "1,1,0,2,a2a", "2,1,1,2,all_gather", "1,2,0,2,all_gather", "1,2,0,2,a2a"]
+# a2a at TP2 splits each TP rank's heads again: a model with 4 key/value heads (2 per TP rank).
+WIDE_KV_LAYOUTS = ["2,1,1,2,a2a", "2,1,1,2,all_gather"]
 
 
 def test_row_positions_are_megatrons_load_balanced_chunks():
@@ -81,7 +86,16 @@ def logits_results(tmp_path_factory):
     out = root / "results.json"
     run_torchrun("context_parallel_logits.py", 4,
                  ["--hf-dirs", *map(str, dirs), "--layouts", *LAYOUTS, "--out", str(out)], timeout=600)
-    return json.loads(out.read_text())
+    results = json.loads(out.read_text())
+    wide = save_checkpoints(root, {"qwen3_wide_kv": (Qwen3ForCausalLM, Qwen3Config(
+        vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}))})
+    wide_out = root / "wide.json"
+    run_torchrun("context_parallel_logits.py", 4,
+                 ["--hf-dirs", *map(str, wide), "--layouts", *WIDE_KV_LAYOUTS, "--out", str(wide_out)], timeout=600)
+    results.update({name: value for name, value in json.loads(wide_out.read_text()).items() if name != "a2a_refusal"})
+    return results
 
 
 @pytest.mark.dist
@@ -94,4 +108,8 @@ def test_logits_equal_transformers_under_context_parallelism(logits_results):
             assert measured["embedded_row_lengths"] == [8], (family, layout, measured)
             assert measured["max_abs_logit_diff"] <= 1e-5, (family, layout, measured)
             assert measured["packed_max_abs_logit_diff"] <= 1e-5, (family, layout, measured)
+    for layout in WIDE_KV_LAYOUTS:  # both comm types at CP2 x TP2 + SP
+        measured = logits_results["qwen3_wide_kv"][layout]
+        assert measured["embedded_row_lengths"] == [8] and measured["max_abs_logit_diff"] <= 1e-5, (layout, measured)
+        assert measured["packed_max_abs_logit_diff"] <= 1e-5, (layout, measured)
     assert "cp_comm_type=a2a" in logits_results["a2a_refusal"] and "all_gather" in logits_results["a2a_refusal"]

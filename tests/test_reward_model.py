@@ -20,7 +20,9 @@ OTHER_TEMPLATE = (
     "{%- endfor -%}"
     "<|im_end|>"
 )
-LAYOUTS = ["1,1,0", "2,1,0", "1,2,0", "2,1,0,1"]  # DP2, TP2, PP2, TP2 with sequence parallelism
+# DP2, TP2, PP2, TP2 with sequence parallelism, and context parallelism 2 (packed, then left-aligned:
+# the worker alternates) with each comm type of the CPU attention.
+LAYOUTS = ["1,1,0", "2,1,0", "1,2,0", "2,1,0,1", "1,1,0,0,1,0,2,all_gather", "1,1,0,0,1,0,2,a2a"]
 
 
 def save_tiny_reward_models(root) -> list:

@@ -3,7 +3,8 @@
 Two launches of tests/dist_workers/roles_parity.py on the same tiny HF Llama and batch:
 1 rank (the TP1/PP1/DP1 reference, packed and dynamic variants, transformers float64 log-probs,
 first-update ppo_kl) and 4 ranks (TP2, TP2+SP, PP2, TP2xPP2, PP2xVPP2, DP4; each layout with the
-DP size the world leaves), and a third: context parallelism (CP2 alone, packed with a2a, x TP2 + SP, x PP2). One full PPO update of actor and critic (2 mini-batches x 2
+DP size the world leaves), and a third: context parallelism (CP2 alone, packed with a2a, x TP2 + SP, x PP2,
+x PP2 x VPP2). One full PPO update of actor and critic (2 mini-batches x 2
 micro-batches) must give the same losses, gradient norms and updated weights (fp32, rel. 1e-5).
 """
 
@@ -149,9 +150,9 @@ def test_layouts_match_single_rank(single_rank, four_ranks):
 
 
 # tp,pp,vpp,sp,packing,dynamic,ep,etp,cp,cp_comm_type: context parallelism over 2 ranks (DP2), packed
-# with the a2a exchange, x TP2 + SP packed, x PP2 with dynamic micro-batches.
+# with the a2a exchange, x TP2 + SP packed, x PP2 with dynamic micro-batches, x PP2 x VPP2 packed.
 CONTEXT_PARALLEL_LAYOUTS = ["1,1,0,0,0,0,1,0,2,all_gather", "1,1,0,0,1,0,1,0,2,a2a", "2,1,0,1,1,0,1,0,2,all_gather",
-                            "1,2,0,0,1,1,1,0,2,all_gather"]
+                            "1,2,0,0,1,1,1,0,2,all_gather", "1,2,2,0,1,0,1,0,2,a2a"]
 
 
 @pytest.mark.dist

@@ -26,11 +26,14 @@ import torch
 def parse_layout(text: str):
     from parallel.layout import ParallelLayout
 
-    values = [int(x) for x in text.split(",")]
-    tp, pp, vpp, sp, ep, etp = values + [1, 1, 0, 0, 1, 0][len(values):]
+    fields = text.split(",")
+    comm = fields.pop() if len(fields) == 8 else "p2p"  # the CP comm type, a name
+    values = [int(x) for x in fields]
+    tp, pp, vpp, sp, ep, etp, cp = values + [1, 1, 0, 0, 1, 0, 1][len(values):]
     return ParallelLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                           virtual_pipeline_model_parallel_size=vpp or None, sequence_parallel=bool(sp),
-                          expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or None)
+                          expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or None,
+                          context_parallel_size=cp, cp_comm_type=comm)
 
 
 def use_layout(layout) -> None:
@@ -46,7 +49,7 @@ def use_layout(layout) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hf-dirs", nargs="+", required=True)
-    parser.add_argument("--layouts", nargs="+", required=True, help="tp,pp,vpp[,sp[,ep[,etp]]] (vpp 0 = none, sp 1 = sequence parallel, ep = expert parallel, etp = expert tensor parallel, 0 = tp)")
+    parser.add_argument("--layouts", nargs="+", required=True, help="tp,pp,vpp[,sp[,ep[,etp[,cp,comm]]]] (vpp 0 = none, sp 1 = sequence parallel, ep = expert parallel, etp = expert tensor parallel, 0 = tp; cp with its cp_comm_type)")
     parser.add_argument("--critic-layouts", nargs="*", default=[])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=12)
