@@ -171,6 +171,31 @@ def test_context_parallel_trains_like_cp1_and_resumes(demo_model, tmp_path):
     assert compared > 100
 
 
+def test_a_cp2_checkpoint_with_lora_and_offload_resumes_at_cp1(demo_model, tmp_path):
+    """LoRA, the actor's weights and optimizer state offloaded and the critic's gradients, at CP2 (all_gather):
+    3 steps, saving at step 2. A job at CP1 (data parallel 2) resumed from that step-2 checkpoint
+    (megatron's distributed checkpoint reshards across CP) logs the third step the CP2 job logged."""
+    common = ["actor_rollout_ref.model.use_remove_padding=true", "trainer.test_freq=-1", "trainer.val_before_train=false",
+              "trainer.save_freq=2", "actor_rollout_ref.model.lora_rank=8",
+              "actor_rollout_ref.actor.megatron.param_offload=true",
+              "actor_rollout_ref.actor.megatron.optimizer_offload=true", "critic.megatron.grad_offload=true"]
+    cp2, cp1 = tmp_path / "cp2", tmp_path / "cp1"
+    run_main([f"trainer.default_local_dir={cp2}", "trainer.total_training_steps=3", *common,
+              "actor_rollout_ref.actor.megatron.context_parallel_size=2",
+              "actor_rollout_ref.actor.megatron.cp_comm_type=all_gather"])
+    run_main([f"trainer.default_local_dir={cp1}", "trainer.total_training_steps=3", *common,
+              "trainer.resume_mode=resume_path", f"trainer.resume_from_path={cp2 / 'checkpoints' / 'step_2'}"])
+    straight = [r for r in read_metrics(cp2) if r.get("step") == 3 and "critic/score/mean" in r]
+    resumed = [r for r in read_metrics(cp1) if "critic/score/mean" in r]
+    assert [r["step"] for r in resumed] == [3] and len(straight) == 1
+    compared = 0
+    for key, value in straight[0].items():
+        if isinstance(value, float) and not key.startswith(("timing_s/", "perf/")):
+            assert resumed[0][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+            compared += 1
+    assert compared > 20
+
+
 def test_lora_learns_and_resumes_exactly(demo_model, tmp_path):
     """PPO with LoRA (rank 8 on every linear layer, lr 1e-3) on the demo, the engine taking the
     adapters alone each step (``rollout.lora_sync=adapters``: the embedded engine serves its base
