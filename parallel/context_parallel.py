@@ -70,6 +70,26 @@ def gather_sequence(local: torch.Tensor, positions: list[torch.Tensor], group, d
     return gathered.index_select(0, order).movedim(0, dim)
 
 
+def additive_attention_mask(blocked: torch.Tensor, dtype: torch.dtype, rows: torch.Tensor | None = None,
+                            rows_key: object = None) -> torch.Tensor:
+    """SDPA's additive form (0 where a query may attend, -inf where ``blocked``) of megatron's boolean
+    attention mask, for the query ``rows`` (all without), made once per mask and kept on it.
+
+    Given a boolean mask SDPA makes this float mask itself on every call, and autograd keeps each
+    layer's copy for the backward pass: L x S^2 floats for one packed row. Made once (the model
+    passes one mask object to every layer), it is kept once. ``rows_key`` names ``rows``.
+    """
+    cache = getattr(blocked, "_additive_masks", None)
+    if cache is None:
+        cache = {}
+        blocked._additive_masks = cache
+    key = (dtype, rows_key)
+    if key not in cache:
+        chosen = blocked if rows is None else blocked.index_select(2, rows)
+        cache[key] = torch.zeros(chosen.shape, dtype=dtype, device=chosen.device).masked_fill_(chosen, float("-inf"))
+    return cache[key]
+
+
 def _held_positions(local_length: int, group, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(positions this rank holds, rank-order -> sequence-order permutation) for a row split by CP."""
     cp_size, cp_rank = group.size(), group.rank()
@@ -132,20 +152,13 @@ class ContextParallelAttention(torch.nn.Module):
             return self._all_gather(query, key, value, attention_mask, held, to_sequence_order)
         return self._all_to_all(query, key, value, attention_mask, held, to_sequence_order)
 
-    def _attend(self, query, key, value, allowed):
-        """softmax(Q K^T * scale, allowed) V; [s, b, heads, hn] in, [sq, b, heads, hn] out."""
+    def _attend(self, query, key, value, mask=None):
+        """softmax(Q K^T * scale + mask) V, causal without a mask; [s, b, heads, hn] in, [sq, b, heads, hn] out."""
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         context = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale,
+            enable_gqa=q.shape[1] != k.shape[1])
         return context.permute(2, 0, 1, 3)
-
-    @staticmethod
-    def _allowed(attention_mask, query_positions, key_count, device):
-        """``[b|1, 1, sq, S]`` True where a query may see a key: causal, or the whole row's mask."""
-        if attention_mask is None:
-            keys = torch.arange(key_count, device=device)
-            return (keys[None, :] <= query_positions[:, None])[None, None]
-        return ~attention_mask.index_select(2, query_positions)
 
     def _all_gather(self, query, key, value, attention_mask, held, to_sequence_order):
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
@@ -153,15 +166,21 @@ class ContextParallelAttention(torch.nn.Module):
         # Every rank's keys and values, in sequence order; their gradients are summed back.
         key, value = (gather_from_sequence_parallel_region(t.contiguous(), group=self.cp_group)
                       .index_select(0, to_sequence_order) for t in (key, value))
-        allowed = self._allowed(attention_mask, held, key.shape[0], query.device)
-        context = self._attend(query, key, value, allowed)
+        if attention_mask is None:  # causal: key j is visible to the query at position p iff j <= p
+            keys = torch.arange(key.shape[0], device=query.device)
+            mask = torch.zeros((1, 1, len(held), len(keys)), dtype=query.dtype, device=query.device)
+            mask.masked_fill_((keys[None, :] > held[:, None])[None, None], float("-inf"))
+        else:  # this rank's rows of the whole row's mask, made once for every layer
+            mask = additive_attention_mask(attention_mask, query.dtype, held, ("cp", self.cp_group.rank(), len(held)))
+        context = self._attend(query, key, value, mask)
         return context.reshape(context.shape[0], context.shape[1], -1)
 
     def _all_to_all(self, query, key, value, attention_mask, held, to_sequence_order):
         cp_size = self.cp_group.size()
         whole = [self._sequence_for_heads(t, cp_size).index_select(0, to_sequence_order) for t in (query, key, value)]
-        positions = torch.arange(whole[0].shape[0], device=query.device)
-        context = self._attend(*whole, self._allowed(attention_mask, positions, whole[0].shape[0], query.device))
+        # The whole sequence in order: plain causal attention, or the whole row's mask.
+        mask = None if attention_mask is None else additive_attention_mask(attention_mask, query.dtype)
+        context = self._attend(*whole, mask)
         context = self._heads_for_sequence(context.index_select(0, torch.argsort(to_sequence_order)), cp_size)
         return context.reshape(context.shape[0], context.shape[1], -1)
 

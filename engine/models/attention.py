@@ -6,6 +6,8 @@ import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from parallel.context_parallel import additive_attention_mask
+
 
 class FusedLocalAttention(DotProductAttention):
     """megatron-core's local core attention, computed by torch's ``scaled_dot_product_attention``.
@@ -27,7 +29,9 @@ class FusedLocalAttention(DotProductAttention):
                                    packed_seq_params)
         # [s, b, heads, dim] -> [b, heads, s, dim]; megatron's mask is True where attention is blocked.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        # A packed row's block-causal mask in SDPA's additive form, made once for every layer.
+        mask = None if attention_mask is None else additive_attention_mask(attention_mask, q.dtype)
         context = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
-            is_causal=attention_mask is None, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+            q, k, v, attn_mask=mask, is_causal=attention_mask is None, scale=self.softmax_scale,
+            enable_gqa=q.shape[1] != k.shape[1])
         return context.permute(2, 0, 1, 3).reshape(context.shape[2], context.shape[0], -1)

@@ -88,13 +88,20 @@ class ModelInputs:
     input_ids: torch.Tensor  # [rows, width] (this rank's tokens under CP)
     labels: torch.Tensor  # next-token ids, [rows, width]
     position_ids: torch.Tensor
-    attention_mask: torch.Tensor | None
+    # Megatron's local attention cannot run THD: a packed row there needs its block-causal mask, made
+    # per forward pass (``attention_mask()``) so that it lives only as long as the pass that uses it.
+    block_causal: bool
     packed_seq_params: object | None
     padding_mask: torch.Tensor | None = None  # MoE models: True at padding, which the router's losses skip
     # Context parallelism: the layout positions every CP rank holds (rank order); the tensors above
     # hold this rank's (``parallel.context_parallel``), the mask the whole row's. None without CP.
     held_positions: list[torch.Tensor] | None = None
     cp_group: object | None = None
+
+    def attention_mask(self) -> torch.Tensor | None:
+        """The model's attention mask: the packed row's block-causal mask (whole, under CP), or None
+        for causal attention."""
+        return self.layout.block_causal_mask() if self.block_causal else None
 
     def unpack(self, values: torch.Tensor, fill_value: float = 0.0) -> torch.Tensor:
         """Per-token outputs of this rank's tokens ``[rows, held, ...]`` back to the batch's
@@ -206,18 +213,13 @@ class MegatronWorker:
     def model_inputs(self, layout: TokenLayout) -> ModelInputs:
         rows, width = layout.input_ids.shape
         position_ids = torch.arange(width, device=layout.input_ids.device).unsqueeze(0).expand(rows, -1)
-        mask, packed_seq_params = None, None
-        if layout.is_packed:
-            if self.transformer_engine:
-                packed_seq_params = layout.packed_seq_params()
-            else:
-                mask = layout.block_causal_mask()
+        packed_seq_params = layout.packed_seq_params() if layout.is_packed and self.transformer_engine else None
         padding_mask = None
         if self.model_config.num_moe_experts:
             padding_mask = torch.ones_like(layout.input_ids, dtype=torch.bool)
             padding_mask[layout.layout_rows, layout.layout_cols] = False
-        inputs = ModelInputs(layout, layout.input_ids, next_token_labels(layout.input_ids), position_ids, mask,
-                             packed_seq_params, padding_mask)
+        inputs = ModelInputs(layout, layout.input_ids, next_token_labels(layout.input_ids), position_ids,
+                             layout.is_packed and packed_seq_params is None, packed_seq_params, padding_mask)
         return self.context_parallel_share(inputs) if self.cp_size > 1 else inputs
 
     def context_parallel_share(self, inputs: ModelInputs) -> ModelInputs:
@@ -270,7 +272,7 @@ class MegatronWorker:
             for routing in self.rollout_routing:
                 routing.expect(mb_inputs, micro_batches[index].routed_experts)
             output = model(
-                mb_inputs.input_ids, mb_inputs.position_ids, mb_inputs.attention_mask,
+                mb_inputs.input_ids, mb_inputs.position_ids, mb_inputs.attention_mask(),
                 packed_seq_params=mb_inputs.packed_seq_params, padding_mask=self.stage_padding_mask(model, mb_inputs),
             )
             return output, functools.partial(_call_step, step_fn, mb_inputs, micro_batches[index])
