@@ -36,7 +36,7 @@ UNIT_SECONDS = {
     "tests/test_ppo_end_to_end.py::test_reward_rises": 98,
     "rehearse:models/Qwen3-8B": 130,
     "rehearse:models/Qwen2.5-7B-Instruct": 89,
-    "tests.test_roles": 105,
+    "tests.test_roles": 125,
     "tests/test_ppo_end_to_end.py::test_context_parallel_trains_like_cp1_and_resumes": 72,
     "tests.test_context_parallel": 45,
     "tests/test_ppo_end_to_end.py::test_a_cp2_checkpoint_with_lora_and_offload_resumes_at_cp1": 32,

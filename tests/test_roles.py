@@ -89,11 +89,14 @@ def four_ranks(tiny_llama, tmp_path_factory):
 # TP2+SP x PP2 (the later stage's padding mask split over the SP ranks by the worker); whole experts
 # (expert TP 1, the 8th field) at TP2 + SP with EP2, and with EP4 over the TP and data-parallel ranks.
 MOE_REFERENCE = "1,1,0,0,0,0,1"
+# With context parallelism 2 (the 9th and 10th fields): EP2 (DP2), EP2 with whole experts at TP2 + SP, EP4
+# packed with the a2a exchange.
 MOE_LAYOUTS = ["1,1,0,0,0,0,2", "1,1,0,0,1,0,4", "2,1,0,1,0,0,2", "1,2,0,0,0,1,2", "2,2,0,1,0,0,1",
-               "2,1,0,1,0,0,2,1", "2,1,0,1,1,0,4,1"]
+               "2,1,0,1,0,0,2,1", "2,1,0,1,1,0,4,1", "1,1,0,0,0,0,2,0,2,all_gather",
+               "2,1,0,1,1,0,2,1,2,all_gather", "1,1,0,0,1,0,4,0,2,a2a"]
 # Layouts that cut the mini-batches into other micro-batches than the reference (dynamic batching; DP1
 # with 2 sequences per micro-batch): the per-micro-batch load-balancing loss differs there.
-MOE_OTHER_MICRO_BATCHES = {"1,2,0,0,0,1,2", "2,2,0,1,0,0,1"}
+MOE_OTHER_MICRO_BATCHES = {"1,2,0,0,0,1,2", "2,2,0,1,0,0,1", "2,1,0,1,1,0,2,1,2,all_gather"}
 
 
 def _relative_error(actual, expected) -> float:
