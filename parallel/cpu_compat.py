@@ -205,7 +205,8 @@ _HALF = (torch.bfloat16, torch.float16)
 
 
 def _via_fp32(original):
-    """``original`` (a matrix product), computed in fp32 when every tensor input is a 16-bit CPU tensor."""
+    """``original`` (a matrix product), computed in fp32 when every tensor input is a 16-bit CPU tensor
+    (keyword tensors of that dtype, e.g. SDPA's additive ``attn_mask``, are widened with them)."""
 
     def product(*args, **kwargs):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -213,7 +214,9 @@ def _via_fp32(original):
         if dtype not in _HALF or "out" in kwargs or any(t.dtype != dtype or t.is_cuda for t in tensors):
             return original(*args, **kwargs)
         widened = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
-        return original(*widened, **kwargs).to(dtype)
+        keywords = {key: value.float() if isinstance(value, torch.Tensor) and value.dtype == dtype else value
+                    for key, value in kwargs.items()}
+        return original(*widened, **keywords).to(dtype)
 
     product.__wrapped__ = original
     return product
