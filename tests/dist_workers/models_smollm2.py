@@ -49,7 +49,8 @@ def main() -> None:
     for row, ids in enumerate(prompts):
         batch[row, : len(ids)] = torch.tensor(ids)
 
-    layout = ParallelLayout(tensor_model_parallel_size=args.tp)
+    # Plain TP: the prompts' lengths are not multiples of the TP size, which sequence parallelism needs.
+    layout = ParallelLayout(tensor_model_parallel_size=args.tp, sequence_parallel=False)
     initialize_model_parallel(layout, seed=5)
     chunks = build_model_chunks(hf_dir, layout, initialize_weights=False)
     assert load_hf_weights(chunks, hf_dir) == []
