@@ -20,10 +20,11 @@ from parallel.context_parallel import row_positions, thd_positions
 from tests.distributed import run_torchrun
 from tests.test_models_parity import save_checkpoints, save_tiny_checkpoints, save_tiny_moe_checkpoints
 
-# tp,pp,sp,cp,comm
-LAYOUTS = ["1,1,0,2,all_gather", "1,1,0,2,a2a", "2,1,1,2,all_gather", "1,2,0,2,all_gather", "1,2,0,2,a2a"]
+# tp,pp,vpp,sp,ep,etp,cp,comm (tests/dist_workers/models_parity.py's layout strings)
+LAYOUTS = ["1,1,0,0,1,0,2,all_gather", "1,1,0,0,1,0,2,a2a", "2,1,0,1,1,0,2,all_gather", "1,2,0,0,1,0,2,all_gather",
+           "1,2,0,0,1,0,2,a2a"]
 # a2a at TP2 splits each TP rank's heads again: a model with 4 key/value heads (2 per TP rank).
-WIDE_KV_LAYOUTS = ["2,1,1,2,a2a", "2,1,1,2,all_gather"]
+WIDE_KV_LAYOUTS = ["2,1,0,1,1,0,2,a2a", "2,1,0,1,1,0,2,all_gather"]
 
 
 def test_row_positions_are_megatrons_load_balanced_chunks():

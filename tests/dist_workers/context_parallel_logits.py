@@ -1,6 +1,6 @@
 """Worker: Megatron logits under context parallelism against transformers itself (fp32).
 
-For each HF folder and each layout ``tp,pp,sp,cp,comm`` (comm: all_gather or a2a) in one torchrun world:
+For each HF folder and each layout (models_parity's ``tp,pp,vpp,sp,ep,etp,cp,comm``) in one torchrun world:
 - a left-aligned batch (plain causal attention) through ``engine.models.forward.forward_only``, each CP
   rank running its load-balanced chunks, against transformers' logits of the same rows;
 - a packed row of three sequences (each padded to the CP x TP multiple) with its block-causal mask,
@@ -19,14 +19,6 @@ from pathlib import Path
 import torch
 
 
-def parse_layout(text: str):
-    from parallel.layout import ParallelLayout
-
-    tp, pp, sp, cp, comm = text.split(",")
-    return ParallelLayout(tensor_model_parallel_size=int(tp), pipeline_model_parallel_size=int(pp),
-                          sequence_parallel=bool(int(sp)), context_parallel_size=int(cp), cp_comm_type=comm)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hf-dirs", nargs="+", required=True)
@@ -42,7 +34,8 @@ def main() -> None:
     from engine.models.forward import forward_only
     from engine.models.gpt import build_model_chunks
     from parallel.context_parallel import ContextParallelAttention
-    from parallel.state import destroy_model_parallel, initialize_model_parallel
+    from parallel.state import destroy_model_parallel
+    from tests.dist_workers.models_parity import parse_layout, use_layout
 
     results: dict = {}
     for hf_dir in map(Path, args.hf_dirs):
@@ -59,9 +52,7 @@ def main() -> None:
         results[hf_dir.name] = family
         for text in args.layouts:
             layout = parse_layout(text)
-            if parallel_state.model_parallel_is_initialized():
-                parallel_state.destroy_model_parallel()
-            initialize_model_parallel(layout, seed=11)
+            use_layout(layout)
             chunks = build_model_chunks(hf_dir, layout, initialize_weights=False)
             assert load_hf_weights(chunks, hf_dir) == []
             attention = [m for chunk in chunks for m in chunk.modules() if isinstance(m, ContextParallelAttention)]
@@ -97,9 +88,8 @@ def main() -> None:
                             "cp_size": parallel_state.get_context_parallel_world_size(),
                             "embedded_row_lengths": sorted(set(seen))}
     # a2a splits the heads: a TP rank's single key/value head cannot be split over 2 CP ranks.
-    layout = parse_layout("2,1,1,2,a2a")
-    parallel_state.destroy_model_parallel()
-    initialize_model_parallel(layout, seed=11)
+    layout = parse_layout("2,1,0,1,1,0,2,a2a")
+    use_layout(layout)
     try:
         build_model_chunks(Path(args.hf_dirs[0]), layout, initialize_weights=False)
     except ValueError as error:
