@@ -59,6 +59,9 @@ def scenarios(tmp_path, demo_model) -> list[str]:
     small = tmp_path / "small.parquet"
     pq.write_table(pq.read_table(demo_model.train_file).slice(0, 32), small)
     run = tmp_path / "runs"
+    tools, interaction = tmp_path / "tools.yaml", tmp_path / "interaction.yaml"
+    tools.write_text("tools:\n  - class_name: engine.rollout.agentic.tools.CalculatorTool\n")
+    interaction.write_text("interaction:\n  - name: ask_again\n    class_name: tests.agentic_support.AskAgain\n")
     common = ["trainer.n_gpus_per_node=1", "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "trainer.save_freq=1", "trainer.test_freq=1",
               "trainer.max_ckpt_to_keep=1", "data.val_batch_size=64"]
@@ -72,7 +75,12 @@ def scenarios(tmp_path, demo_model) -> list[str]:
            "reward_model.combine.reward_clip=2", "algorithm.rollout_correction.rollout_is=sequence",
            "algorithm.rollout_correction.rollout_rs=geometric", "algorithm.rollout_correction.rollout_rs_threshold=1.5",
            "algorithm.rollout_correction.rollout_rs_threshold_lower=0.5",
-           "reward_model.combine.mode=gated", "reward_model.combine.gate_threshold=0.5"]
+           "reward_model.combine.mode=gated", "reward_model.combine.gate_threshold=0.5",
+           # multi-turn: a user who asks again (the calculator is offered; this model never calls it)
+           "actor_rollout_ref.rollout.multi_turn.enable=true", f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+           f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={interaction}",
+           "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3", "actor_rollout_ref.rollout.multi_turn.max_user_turns=1",
+           "actor_rollout_ref.rollout.multi_turn.format=hermes", "data.max_response_length=16"]
     grpo = [*common, f"trainer.default_local_dir={run}/grpo", f"data.train_files={small}", "trainer.total_epochs=1",
             "trainer.total_training_steps=null", "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
             "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01",

@@ -12,6 +12,7 @@ from engine.config import ConfigError, load_config
 from engine.config.algorithm import FilterGroupsConfig
 from engine.rewards.combine import RewardScores
 from engine.trainer.dynamic_sampling import GroupsExhausted, ScoredRollout, fill_with_groups_with_spread
+from engine.rollout.agentic.trajectory import Trajectory
 from engine.trainer.rollout import Rollout, to_rollout_batch
 
 DEMO = Path(__file__).resolve().parents[1] / "yaml" / "demo_cpu.yaml"
@@ -51,8 +52,9 @@ def scored_round(round_index: int, correct: list[list[int]], prompt_length: int)
         for row, _ in enumerate(rule):
             tag = 1000 * round_index + 10 * group + row
             prompts.append([tag] * prompt_length)
-            responses.append(([tag, tag + 1][: 1 + row % 2], [-0.5, -0.25][: 1 + row % 2],
-                              torch.full((prompt_length + 1 + row % 2, 2, 1), tag % 8, dtype=torch.int16), None))
+            responses.append(Trajectory([tag, tag + 1][: 1 + row % 2], [-0.5, -0.25][: 1 + row % 2], [1] * (1 + row % 2),
+                                        routed_experts=torch.full((prompt_length + 1 + row % 2, 2, 1), tag % 8,
+                                                                  dtype=torch.int16)))
             uids.append(group)  # prompt uids repeat across rounds, as when the data wraps around
     batch, log_probs = to_rollout_batch(prompts, responses, response_length=3, pad_id=0)
     rows = len(prompts)

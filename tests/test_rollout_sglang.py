@@ -142,6 +142,29 @@ def test_rejected_distributed_update_raises_instead_of_hanging(engine, tiny):
     engine.update_weights(tiny.model.state_dict().items(), bucket_megabytes=1.0)
 
 
+def test_multi_turn_trajectories_are_token_exact_on_sglang(engine, tiny, monkeypatch):
+    """Each turn a request of its own (``concurrent_requests``): the responses are the server's
+    sampled ids interleaved with the template's tokens, the log-probs a float64 forward's."""
+    from engine.rollout.agentic.trajectory import TrajectoryTask, generate_trajectories
+    from tests.test_agentic_rollout import (MULTI_TURN_PROMPTS, MULTI_TURN_ROWS, STOPS, assert_token_exact,
+                                            conversation_agent)
+
+    calls, generate = [], engine.generate
+
+    def recorded(prompts, params):
+        samples = generate(prompts, params)
+        calls.append(([list(p) for p in prompts], [s[0].token_ids for s in samples]))
+        return samples
+
+    monkeypatch.setattr(engine, "generate", recorded)
+    agent = conversation_agent()
+    tasks = [TrajectoryTask(p, r) for p, r in zip(MULTI_TURN_PROMPTS, MULTI_TURN_ROWS)]
+    trajectories = generate_trajectories(engine, tasks, SamplingParams(max_new_tokens=60, temperature=1.0,
+                                                                       stop_token_ids=STOPS), agent)
+    assert all(len(given) == 1 for given, _ in calls) and len(calls) == 1 + 2 + 3
+    assert_token_exact(trajectories, MULTI_TURN_PROMPTS, MULTI_TURN_ROWS, calls, agent, tiny.model)
+
+
 def test_a_long_wait_on_servers_says_what_it_waits_for_and_for_how_long(capsys):
     now = [0.0]
     report = WaitReport(clock=lambda: now[0])

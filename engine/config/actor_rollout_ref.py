@@ -163,6 +163,35 @@ class SamplingConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """``actor_rollout_ref.rollout.multi_turn.*``: agentic rollouts, each response a conversation with
+    tools and/or an environment (``engine.rollout.agentic``; verl's keys).
+
+    Attributes:
+        enable: generate multi-turn trajectories: after each assistant turn its tool calls are run and
+            their results appended as tool messages (or the environment answers), then the model
+            goes on, until it answers, a turn limit, or ``data.max_response_length`` tokens across
+            all turns. The trainer trains on the sampled tokens only (the loss mask); the appended
+            ones are context.
+        max_assistant_turns: assistant turns per trajectory at most.
+        max_user_turns: environment (user) replies per trajectory at most.
+        tool_config_path: YAML of the tools (verl's format: ``tools: [{class_name, config, tool_schema}]``);
+            built in: ``engine.rollout.agentic.tools.CalculatorTool`` and ``PythonTool``. Their
+            schemas are given to the chat template (``tools=``) when the prompts are rendered.
+        interaction_config_path: YAML of the environment (verl's ``interaction: [{name, class_name,
+            config}]``): it answers the model's final messages and may add a reward.
+        format: how tool calls are written: "hermes" (``<tool_call>{json}</tool_call>``; Qwen, Hermes).
+    """
+
+    enable: bool = False
+    max_assistant_turns: int = 5
+    max_user_turns: int = 5
+    tool_config_path: str | None = None
+    interaction_config_path: str | None = None
+    format: str = "hermes"
+
+
+@dataclass
 class RolloutConfig(SamplingConfig):
     """``actor_rollout_ref.rollout.*``: the generation engine, its sampling and the weight sync.
 
@@ -231,6 +260,7 @@ class RolloutConfig(SamplingConfig):
             ``rollout/partial/fraction``). The servers run without a prefix cache, so no request
             starts from a prefix computed by older weights than its own.
         val_kwargs: sampling of the validation responses.
+        multi_turn: agentic rollouts with tools and environments (``MultiTurnConfig``).
     """
 
     name: str = "sglang"
@@ -256,6 +286,7 @@ class RolloutConfig(SamplingConfig):
     max_server_restarts: int = 3
     partial_rollout: bool = False
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 # In an experiment the log-prob passes default to the actor's micro-batching (verl's convention).

@@ -434,6 +434,7 @@ def _check_rollout(config: ExperimentConfig, training_world: int) -> None:
         )
     _check_staleness(config)
     _check_rollout_correction(config)
+    _check_multi_turn(config)
     _require(not rollout.server_addresses or rollout.mode == "disaggregated", f"{ROLLOUT}.server_addresses",
              list(rollout.server_addresses), f"empty with {ROLLOUT}.mode=colocated (servers of their own need "
              f"mode=disaggregated)")
@@ -452,6 +453,39 @@ def _check_rollout(config: ExperimentConfig, training_world: int) -> None:
             f"raise {ACTOR}.megatron.tensor_model_parallel_size."
         )
     _check_replica_placement(config, training_world)
+
+
+def _check_multi_turn(config: ExperimentConfig) -> None:
+    """Multi-turn rollouts: their files load (tools and environments import), and nothing that is
+    not built for them is asked for."""
+    from engine.rollout.agentic.parsing import TOOL_CALL_FORMATS
+
+    multi_turn, key = config.actor_rollout_ref.rollout.multi_turn, f"{ROLLOUT}.multi_turn"
+    if not multi_turn.enable:
+        for name in ("tool_config_path", "interaction_config_path"):
+            _require(getattr(multi_turn, name) is None, f"{key}.{name}", getattr(multi_turn, name),
+                     f"null with {key}.enable=false (it would be ignored; set {key}.enable=true)")
+        return
+    _require(multi_turn.format in TOOL_CALL_FORMATS, f"{key}.format", multi_turn.format, f"one of {list(TOOL_CALL_FORMATS)}")
+    _require(multi_turn.max_assistant_turns >= 1, f"{key}.max_assistant_turns", multi_turn.max_assistant_turns, ">= 1")
+    _require(multi_turn.max_user_turns >= 0, f"{key}.max_user_turns", multi_turn.max_user_turns, ">= 0")
+    _require(bool(multi_turn.tool_config_path or multi_turn.interaction_config_path), f"{key}.enable", True,
+             f"false, or set {key}.tool_config_path and/or {key}.interaction_config_path (with neither there is "
+             f"nothing to answer the model between turns)")
+    _require(not config.actor_rollout_ref.rollout.partial_rollout, f"{ROLLOUT}.partial_rollout", True,
+             f"false with {key}.enable: pausing trajectories in place across a weight push is not built")
+    _require(not config.actor_rollout_ref.actor.megatron.moe_router_replay, f"{ACTOR}.megatron.moe_router_replay",
+             True, f"false with {key}.enable: replaying the routing of multi-turn trajectories is not built")
+    from engine.rollout.agentic.environment import EnvironmentConfigError, load_environments
+    from engine.rollout.agentic.tools import ToolError, load_tools
+
+    try:
+        if multi_turn.tool_config_path:
+            load_tools(multi_turn.tool_config_path)
+        if multi_turn.interaction_config_path:
+            load_environments(multi_turn.interaction_config_path)
+    except (ToolError, EnvironmentConfigError) as error:
+        raise ConfigError(f"{key}: {error}") from None
 
 
 def _check_rollout_correction(config: ExperimentConfig) -> None:

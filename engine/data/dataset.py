@@ -31,8 +31,11 @@ class PromptSample:
     record: PromptRecord
 
 
-def render_chat_prompts(tokenizer: Any, records: Sequence[PromptRecord], prompt_key: str = PROMPT_COLUMN) -> list[str]:
-    """Apply the model's chat template (with the generation prompt) to every record's messages."""
+def render_chat_prompts(tokenizer: Any, records: Sequence[PromptRecord], prompt_key: str = PROMPT_COLUMN,
+                        tools: list[dict] | None = None) -> list[str]:
+    """Apply the model's chat template (with the generation prompt) to every record's messages;
+    ``tools``: the schemas of the tools the model may call (multi-turn rollouts), which the template
+    lists where it lists tools (Qwen: in the system prompt)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"tokenizer {type(tokenizer).__name__} has no chat_template; prompts are chat messages "
                          f"and need one (set tokenizer.chat_template or use an instruct model's tokenizer)")
@@ -40,7 +43,7 @@ def render_chat_prompts(tokenizer: Any, records: Sequence[PromptRecord], prompt_
     for record in records:
         try:
             texts.append(tokenizer.apply_chat_template(record.messages, add_generation_prompt=True,
-                                                       tokenize=False))
+                                                       tokenize=False, **({"tools": tools} if tools else {})))
         except Exception as error:  # a template may reject a role order (e.g. no system role)
             raise PromptSchemaError(record.source_file, f"the chat template rejected the messages: {error}",
                                     row=record.source_row, key=prompt_key) from error
@@ -59,7 +62,7 @@ class PromptDataset:
     def __init__(self, files: str | os.PathLike | Sequence[str | os.PathLike], tokenizer: Any, *,
                  max_prompt_length: int, filter_overlong_prompts: bool = False,
                  truncation: Literal["error", "left", "right"] = "error", files_key: str = "data.train_files",
-                 prompt_key: str = PROMPT_COLUMN):
+                 prompt_key: str = PROMPT_COLUMN, tools: list[dict] | None = None):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation={truncation!r}: expected one of {TRUNCATION_MODES}")
         self.files = as_file_list(files, files_key)
@@ -68,7 +71,7 @@ class PromptDataset:
         self.pad_token_id = self._pad_token_id(tokenizer)
 
         records = read_prompt_files(self.files, key=files_key, prompt_key=prompt_key)
-        texts = render_chat_prompts(tokenizer, records, prompt_key)
+        texts = render_chat_prompts(tokenizer, records, prompt_key, tools)
         # The template already wrote any BOS/special tokens as text: do not add them a second time.
         token_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
 
@@ -101,13 +104,14 @@ class PromptDataset:
                     len(samples), self.stats.max_prompt_tokens)
 
     @classmethod
-    def from_config(cls, config: DataConfig, tokenizer: Any, split: Literal["train", "val"] = "train"
-                    ) -> "PromptDataset":
-        """Build the training (`data.train_files`) or validation (`data.val_files`) dataset."""
+    def from_config(cls, config: DataConfig, tokenizer: Any, split: Literal["train", "val"] = "train",
+                    tools: list[dict] | None = None) -> "PromptDataset":
+        """Build the training (`data.train_files`) or validation (`data.val_files`) dataset (``tools``:
+        as in ``render_chat_prompts``)."""
         files = config.train_files if split == "train" else config.val_files
         return cls(files, tokenizer, max_prompt_length=config.max_prompt_length,
                    filter_overlong_prompts=config.filter_overlong_prompts, truncation=config.truncation,
-                   files_key=f"data.{split}_files", prompt_key=config.prompt_key)
+                   files_key=f"data.{split}_files", prompt_key=config.prompt_key, tools=tools)
 
     @staticmethod
     def _pad_token_id(tokenizer: Any) -> int:

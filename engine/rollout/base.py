@@ -181,6 +181,10 @@ class RolloutEngine(abc.ABC):
     then ``end_weight_update()``; ``update_weights`` does all three for an iterable.
     """
 
+    # Whether ``generate`` may be called from several threads at once, each call served as it comes
+    # (servers): multi-turn trajectories then send each turn on its own instead of in batches.
+    concurrent_requests: bool = False
+
     @abc.abstractmethod
     def generate(
         self, prompt_token_ids: Sequence[Sequence[int]], sampling_params: SamplingParams

@@ -258,6 +258,8 @@ def _token_versions(spans: list[dict[str, Any]], num_tokens: int) -> list[int] |
 class SGLangRolloutEngine(RolloutEngine):
     """Rollout on SGLang servers (one per ``replica_gpus`` entry) started and supervised by this object."""
 
+    concurrent_requests = True  # each request is an HTTP call of its own; the servers batch them
+
     def __init__(self, config: SGLangRolloutConfig):
         self.config = config
         # May be switched between sessions (e.g. tensor pushes locally, distributed to remote servers).

@@ -23,6 +23,8 @@ from engine.config import ExperimentConfig, MegatronConfig, ModelConfig
 from engine.config.errors import ConfigError
 from engine.config.loader import ulysses_meaning
 from engine.data import PromptDataLoader, PromptDataset
+from engine.rollout.agentic.tools import tool_schemas
+from engine.rollout.agentic.trajectory import Agent
 from engine.models.lora import describe as describe_lora
 from engine.rewards.judge import JudgeClient
 from engine.rewards.manager import RewardManager
@@ -75,6 +77,8 @@ class PPOComponents:
     server_restarts: int = 0
     # The version of the weights the engine serves: the step that trains from them (hand_over_weights).
     weight_version: int = 0
+    # Multi-turn rollouts' tools and environment (rollout.multi_turn); None: one turn per response.
+    agent: Agent | None = None
 
     @contextlib.contextmanager
     def trained_models_resident(self):
@@ -138,15 +142,17 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
     if arr.actor.ulysses_sequence_parallel_size > 1:
         say(f"[trident] {ulysses_meaning(arr.actor.ulysses_sequence_parallel_size)}")
     tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path, trust_remote_code=arr.model.trust_remote_code)
+    agent = Agent.from_config(arr.rollout.multi_turn, tokenizer)
+    tools = tool_schemas(agent.tools) if agent is not None and agent.tools else None  # for the prompts' template
 
     # Data: each data-parallel rank loads its share of every global batch.
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
-    train_set = PromptDataset.from_config(data, tokenizer, "train")
+    train_set = PromptDataset.from_config(data, tokenizer, "train", tools=tools)
     train_loader = PromptDataLoader.for_training(train_set, data, data_parallel_rank=dp_rank, data_parallel_size=dp_size)
     val_loader = None
     if data.val_files:
-        val_set = PromptDataset.from_config(data, tokenizer, "val")
+        val_set = PromptDataset.from_config(data, tokenizer, "val", tools=tools)
         val_loader = PromptDataLoader.for_validation(val_set, data, data_parallel_rank=dp_rank, data_parallel_size=dp_size)
     rewards = reward_manager_for_this_rank(cfg.reward_model)
     scores_rules = _rule_scores_available(cfg, rewards, train_set.data_sources)
@@ -217,6 +223,7 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
         total_training_steps=total_steps,
         data_parallel_control_group=control_group_like(parallel_state.get_data_parallel_group()),
         rollout_ahead=RolloutAhead(cfg.trainer.max_staleness, partial=cfg.actor_rollout_ref.rollout.partial_rollout),
+        agent=agent,
     )
 
 

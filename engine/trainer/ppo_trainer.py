@@ -30,6 +30,7 @@ from engine.rewards.combine import RewardScores, combine_rewards
 from engine.rewards.manager import decode_responses, token_level_scores
 from engine.rewards.spmd import score_on_all_ranks
 from engine.roles import RolloutBatch
+from engine.rollout.agentic.trajectory import trajectory_metrics
 from engine.rollout.base import CUDA_GRAPH, KV_CACHE, MEMORY_TAGS, WEIGHTS, SamplingParams
 from engine.rollout.memory import hand_back_cache, record
 from engine.sync import check_rollout_log_probs
@@ -177,6 +178,8 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
         _release_engine_memory(parts, MEMORY_TAGS)
     batch, meta, rollout_log_probs = generated.batch, generated.meta, generated.log_probs
     metrics.update(_staleness_metrics(generated, step, cfg.trainer.max_staleness))
+    if parts.agent is not None:  # multi-turn: turns, tool calls and their errors, truncation
+        metrics.update(trajectory_metrics(meta["trajectories"]))
     metrics["rollout/server_restarts"] = parts.server_restarts
     if cfg.actor_rollout_ref.actor.use_rollout_log_probs:  # pi_old = the sampler's own log-probs, no recompute
         batch.old_log_probs, rollout_log_probs = rollout_log_probs, None
@@ -345,8 +348,9 @@ def _resume_engine_memory(parts: PPOComponents, tags) -> None:
 
 def _score(parts: PPOComponents, generated: Rollout, cfg: ExperimentConfig, training: bool = False) -> ScoredRollout:
     """The reward of each response, ``[B]`` on every rank: its rule score (each response scored on
-    one rank, ``score_on_all_ranks``), reward-model score and judge score, combined by
-    ``reward_model.combine``, plus DAPO's overlong penalty (``reward_model.overlong_buffer``); the
+    one rank, ``score_on_all_ranks``, on the text the model wrote: every turn's, appended messages
+    excepted), reward-model score and judge score, combined by ``reward_model.combine``, plus a
+    multi-turn environment's reward and DAPO's overlong penalty (``reward_model.overlong_buffer``); the
     scores of each source; and the ``reward/*`` metrics. ``training`` counts failing rule calls (a
     function that keeps failing stops the run)."""
     batch, meta = generated.batch, generated.meta
@@ -367,6 +371,11 @@ def _score(parts: PPOComponents, generated: Rollout, cfg: ExperimentConfig, trai
         metrics.update(judge_metrics)
     scores, combined_metrics = combine_rewards(sources, cfg.reward_model.combine)
     metrics.update(combined_metrics)
+    environment = [stats.env_reward for stats in meta["trajectories"]]
+    if any(reward is not None for reward in environment):  # multi-turn environments' own rewards join the score
+        environment = torch.tensor([reward or 0.0 for reward in environment], dtype=scores.dtype)
+        scores = scores + environment
+        metrics["reward/environment/mean"] = environment.mean().item()
     overlong = cfg.reward_model.overlong_buffer
     if overlong.enable:
         penalty = overlong_penalty(batch.response_mask.sum(dim=1), cfg.data.max_response_length, overlong.len,

@@ -35,10 +35,17 @@ import torch
 import torch.distributed as dist
 
 from engine.roles import RolloutBatch
-from engine.rollout.base import RolloutServerDied, SamplingParams
+from engine.rollout.agentic.trajectory import Trajectory, TrajectoryTask, generate_trajectories
+from engine.rollout.base import SamplingParams
 from engine.trainer.console import say
 from parallel.hybrid_engine import gather_generation_results, split_for_generation
 from parallel.state import control_group
+
+
+# The prompt rows' fields a rollout carries beside its tokens (the rewards', and an environment's, input).
+# Keyed by the batch's names, with the name a row (``TrajectoryTask.row``) gives each.
+ROW_KEYS = {"data_sources": "data_source", "ground_truths": "ground_truth", "extra_infos": "extra_info",
+            "messages": "messages"}
 
 
 @dataclasses.dataclass
@@ -46,7 +53,8 @@ class Rollout:
     """A generated global batch, the same on every rank."""
 
     batch: RolloutBatch
-    meta: dict[str, Any]  # per sequence: data_sources, ground_truths, extra_infos, messages, uids
+    # per sequence: data_sources, ground_truths, extra_infos, messages, uids, trajectories (TrajectoryStats)
+    meta: dict[str, Any]
     log_probs: torch.Tensor  # the engine's own log-probs of the sampled tokens, [B, response_length]
     policy_version: int  # the weights' version when its generation started
     generation_s: float  # how long the engine generated it (start to last response)
@@ -110,17 +118,18 @@ def generate(parts, prompts, params: SamplingParams, policy_version: int = 0) ->
     return _finish(parts, _start(parts, prompts, params, policy_version))
 
 
-def _timed_generate(engine, prompts: list, params: SamplingParams) -> tuple[list, float]:
-    """(token ids, log-probs, routed experts, token versions) per prompt, None for one lost with a
+def _timed_generate(parts, tasks: list[TrajectoryTask], params: SamplingParams) -> tuple[list, float]:
+    """A trajectory per task (one turn, or many with ``rollout.multi_turn``), None for one lost with a
     server that died; and the seconds it took."""
     start = time.perf_counter()
-    try:
-        samples = engine.generate(prompts, params)
-    except RolloutServerDied as died:
-        samples = [died.completed.get(i) for i in range(len(prompts))]
-    responses = [None if s is None else (s[0].token_ids, s[0].log_probs, s[0].routed_experts, s[0].policy_versions)
-                 for s in samples]
-    return responses, time.perf_counter() - start
+    trajectories = generate_trajectories(parts.engine, tasks, params, parts.agent)
+    return trajectories, time.perf_counter() - start
+
+
+def _tasks(prompts: list, rows: dict[str, list]) -> list[TrajectoryTask]:
+    """The prompts with their rows (what an environment's ``reset`` is given)."""
+    return [TrajectoryTask(prompt, {name: rows[key][i] for key, name in ROW_KEYS.items()})
+            for i, prompt in enumerate(prompts)]
 
 
 def restart_dead_servers(parts, lost: bool = False) -> bool:
@@ -143,14 +152,14 @@ def restart_dead_servers(parts, lost: bool = False) -> bool:
     return bool(counts.any())
 
 
-def _generate_colocated(parts, prompts: list, params: SamplingParams) -> tuple[list, float]:
+def _generate_colocated(parts, tasks: list[TrajectoryTask], params: SamplingParams) -> tuple[list, float]:
     """This rank's replica generates its prompts; collective (a server that died is restarted by its
     rank while the others wait, and every rank takes part in the weight push)."""
-    responses, seconds = _timed_generate(parts.engine, prompts, params) if parts.engine is not None else ([], 0.0)
+    responses, seconds = _timed_generate(parts, tasks, params) if parts.engine is not None else ([], 0.0)
     while restart_dead_servers(parts, lost=None in responses):
         lost = [i for i, response in enumerate(responses) if response is None]
         if lost:
-            again, more = _timed_generate(parts.engine, [prompts[i] for i in lost], params)
+            again, more = _timed_generate(parts, [tasks[i] for i in lost], params)
             for i, response in zip(lost, again):
                 responses[i] = response
             seconds += more
@@ -181,7 +190,7 @@ def _start(parts, prompts, params: SamplingParams, policy_version: int, backgrou
     }
     responses = None
     if not sync.disaggregated:
-        mine = split_for_generation(prompts.raw_prompt_ids, sync.layout, dist.get_rank())
+        mine = split_for_generation(_tasks(shard["prompts"], shard), sync.layout, dist.get_rank())
         local, seconds = _generate_colocated(parts, mine, params)
         shard["responses"] = gather_generation_results(local, sync.groups)  # this DP rank's prompts, in order
         responses = (None, seconds)
@@ -190,10 +199,11 @@ def _start(parts, prompts, params: SamplingParams, policy_version: int, backgrou
     merged = {key: [item for s in shards for item in s[key]] for key in shard}
     pending = _Pending(merged, shard["uids"], params, policy_version, responses)
     if sync.disaggregated and dist.get_rank() == 0:
+        tasks = _tasks(merged["prompts"], merged)
         if background:
-            pending.future = _in_background(_timed_generate, parts.engine, merged["prompts"], params)
+            pending.future = _in_background(_timed_generate, parts, tasks, params)
         else:
-            pending.responses = _timed_generate(parts.engine, merged["prompts"], params)
+            pending.responses = _timed_generate(parts, tasks, params)
     return pending
 
 
@@ -207,7 +217,7 @@ def _finish(parts, pending: _Pending) -> Rollout:
         while None in merged["responses"]:  # lost with a server that died: the same list on every rank
             restart_dead_servers(parts)
             lost = [i for i, response in enumerate(merged["responses"]) if response is None]
-            box = [_timed_generate(parts.engine, [merged["prompts"][i] for i in lost], pending.params)
+            box = [_timed_generate(parts, [_tasks(merged["prompts"], merged)[i] for i in lost], pending.params)
                    if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(box, src=0, group=control_group())
             for i, response in zip(lost, box[0][0]):
@@ -217,8 +227,9 @@ def _finish(parts, pending: _Pending) -> Rollout:
         seconds = answer[1]
     batch, log_probs = to_rollout_batch(merged["prompts"], merged["responses"], pending.params.max_new_tokens,
                                         parts.tokenizer.pad_token_id or 0)
-    meta = {key: merged[key] for key in ("data_sources", "ground_truths", "extra_infos", "messages")}
+    meta = {key: merged[key] for key in ROW_KEYS}
     meta["uids"] = torch.as_tensor(merged["uids"], dtype=torch.long)
+    meta["trajectories"] = [trajectory.stats for trajectory in merged["responses"]]
     return Rollout(batch, meta, log_probs, pending.policy_version, seconds,
                    token_versions(merged["responses"], pending.params.max_new_tokens))
 
@@ -272,22 +283,22 @@ class RolloutAhead:
             self._paused = False
 
 
-def token_versions(responses, response_length: int) -> torch.Tensor | None:
-    """``[B, response_length]`` the weight version of each response token (-1 on padding), or None
-    where the engine did not tag every response."""
-    if any(versions is None for *_, versions in responses):
+def token_versions(responses: list[Trajectory], response_length: int) -> torch.Tensor | None:
+    """``[B, response_length]`` the weight version of each response token (-1 on padding and on
+    appended messages), or None where the engine did not tag every response."""
+    if any(t.policy_versions is None for t in responses):
         return None
     out = torch.full((len(responses), response_length), -1, dtype=torch.long)
-    for row, (*_, versions) in enumerate(responses):
-        out[row, :len(versions)] = torch.as_tensor(versions, dtype=torch.long)
+    for row, trajectory in enumerate(responses):
+        out[row, :len(trajectory.policy_versions)] = torch.as_tensor(trajectory.policy_versions, dtype=torch.long)
     return out
 
 
-def to_rollout_batch(prompts, responses, response_length: int, pad_id: int):
-    """Left-padded prompts and right-padded responses as one ``RolloutBatch`` (with the experts each
-    token was routed to, where the engine reported them), and the engine's log-probs in the
-    response layout (0 on padding). ``responses``: (token ids, log-probs, routed experts or None,
-    token versions or None)."""
+def to_rollout_batch(prompts, responses: list[Trajectory], response_length: int, pad_id: int):
+    """Left-padded prompts and right-padded responses as one ``RolloutBatch`` whose response mask is
+    the trajectories' loss mask (0 on appended messages), with the experts each token was routed to
+    where the engine reported them; and the engine's log-probs in the response layout (0 off the
+    loss mask)."""
     prompt_length = max(len(p) for p in prompts)
     rows = len(prompts)
     input_ids = torch.full((rows, prompt_length + response_length), pad_id, dtype=torch.long)
@@ -295,16 +306,16 @@ def to_rollout_batch(prompts, responses, response_length: int, pad_id: int):
     response_mask = torch.zeros(rows, response_length)
     rollout_log_probs = torch.zeros(rows, response_length)
     routed_experts = None
-    reported = next((routed for _, _, routed, _ in responses if routed is not None), None)
+    reported = next((t.routed_experts for t in responses if t.routed_experts is not None), None)
     if reported is not None:
         routed_experts = torch.full((*input_ids.shape, *reported.shape[1:]), -1, dtype=torch.int16)
-    for i, (prompt, (tokens, log_probs, routed, _)) in enumerate(zip(prompts, responses)):
-        start = prompt_length - len(prompt)
+    for i, (prompt, trajectory) in enumerate(zip(prompts, responses)):
+        start, tokens = prompt_length - len(prompt), trajectory.token_ids
         input_ids[i, start:prompt_length] = torch.as_tensor(prompt)
         attention_mask[i, start:prompt_length + len(tokens)] = 1
         input_ids[i, prompt_length:prompt_length + len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
-        response_mask[i, :len(tokens)] = 1
-        rollout_log_probs[i, :len(tokens)] = torch.as_tensor(log_probs)
-        if routed is not None:
-            routed_experts[i, start:start + len(routed)] = routed
+        response_mask[i, :len(tokens)] = torch.as_tensor(trajectory.loss_mask, dtype=response_mask.dtype)
+        rollout_log_probs[i, :len(tokens)] = torch.as_tensor(trajectory.log_probs)
+        if trajectory.routed_experts is not None:
+            routed_experts[i, start:start + len(trajectory.routed_experts)] = trajectory.routed_experts
     return RolloutBatch(input_ids, attention_mask, response_mask, routed_experts=routed_experts), rollout_log_probs

@@ -33,14 +33,14 @@ CONVERSATIONS = [
 def policy_batch(tokenizer):
     """The conversations as the trainer holds them: left-padded prompts, right-padded responses
     ending in <|im_end|>."""
+    from engine.rollout.agentic.trajectory import Trajectory
     from engine.trainer.rollout import to_rollout_batch
 
     prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
                for m, _ in CONVERSATIONS]
-    responses = [(tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id], None)
-                 for _, r in CONVERSATIONS]
-    responses = [(ids, [0.0] * len(ids), None, None) for ids, _ in responses]
-    batch, _ = to_rollout_batch(prompts, responses, max(len(ids) for ids, *_ in responses), tokenizer.pad_token_id)
+    responses = [tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for _, r in CONVERSATIONS]
+    responses = [Trajectory(ids, [0.0] * len(ids), [1] * len(ids)) for ids in responses]
+    batch, _ = to_rollout_batch(prompts, responses, max(len(t.token_ids) for t in responses), tokenizer.pad_token_id)
     return batch
 
 

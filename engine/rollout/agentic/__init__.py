@@ -1,0 +1,1 @@
+"""Multi-turn, tool-using rollouts."""
