@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 from engine.rollout.agentic.environment import Environment, EnvironmentStep
 from engine.rollout.agentic.tools import CalculatorTool
@@ -30,14 +29,6 @@ class SleepingCalculator(CalculatorTool):
     async def execute(self, arguments: dict, state: dict) -> str:
         await asyncio.sleep(3600)
         return "never"
-
-
-class BlockingCalculator(CalculatorTool):
-    """Sleeps without yielding to the event loop: a badly written tool."""
-
-    async def execute(self, arguments: dict, state: dict) -> str:
-        time.sleep(3)
-        return await super().execute(arguments, state)
 
 
 class FloodingCalculator(CalculatorTool):

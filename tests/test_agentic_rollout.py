@@ -73,16 +73,22 @@ class Recorder(TorchRolloutEngine):
 
 
 class Conversation(Environment):
-    """A user who asks again ``turns - 1`` times (``turns`` from the row), after ``delay`` seconds."""
+    """A user who asks again ``turns - 1`` times (``turns`` from the row). A row that ``waits`` has
+    its user answer only once every row that does not wait is done (the gate is made on the tool
+    loop, once per rollout)."""
+
+    gates: dict = {}
 
     async def reset(self, row: dict) -> None:
-        self.turns, self.delay, self.replies = row["extra_info"]["turns"], row["extra_info"]["delay"], 0
+        self.turns, self.waits, self.replies = row["extra_info"]["turns"], row["extra_info"].get("waits"), 0
 
     async def step(self, assistant_message: str) -> EnvironmentStep:
-        await asyncio.sleep(self.delay)
+        if self.waits is not None:
+            gate = self.gates.setdefault(self.waits, asyncio.Event())
+            await asyncio.wait_for(gate.wait(), timeout=60)
         self.replies += 1
-        return EnvironmentStep([{"role": "user", "content": f"again {self.replies}"}], reward=1.0,
-                               done=self.replies >= self.turns)
+        done = self.replies >= self.turns
+        return EnvironmentStep([{"role": "user", "content": f"again {self.replies}"}], reward=1.0, done=done)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +136,7 @@ def assert_token_exact(trajectories, prompts, rows, calls, agent, model) -> None
 
 
 MULTI_TURN_PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
-MULTI_TURN_ROWS = [{"extra_info": {"turns": turns, "delay": 0.0}} for turns in (1, 2, 3)]
+MULTI_TURN_ROWS = [{"extra_info": {"turns": turns}} for turns in (1, 2, 3)]
 
 
 def test_multi_turn_trajectories_are_the_engines_tokens_and_the_templates_tokens(tiny):
@@ -156,12 +162,24 @@ def test_one_turn_is_exactly_the_plain_generate(tiny):
     assert all(t.loss_mask == [1] * len(t.token_ids) for t in trajectories)
 
 
+class FastFirst(Conversation):
+    """The fast row's user opens the gate the slow row's user waits at, with its last reply."""
+
+    async def step(self, assistant_message: str) -> EnvironmentStep:
+        step = await super().step(assistant_message)
+        if step.done and self.waits is None:
+            self.gates.setdefault("fast done", asyncio.Event()).set()
+        return step
+
+
 def test_a_trajectory_whose_environment_answers_fast_does_not_wait_for_a_slow_one(tiny):
-    """No turn-by-turn barrier: the fast trajectory's later turns are generated in calls that do
-    not hold the slow one, while the slow environment is still thinking."""
-    engine, agent = recording_engine(tiny), conversation_agent()
+    """No turn-by-turn barrier: all of the fast trajectory's turns are generated while the slow
+    trajectory's environment has not answered its first message."""
+    FastFirst.gates = {}
+    engine = recording_engine(tiny)
+    agent = Agent(MessageTokens(build_char_tokenizer()), environments=EnvironmentFactory({"c": FastFirst}, "test"))
     prompts = [[5, 6, 7], [8, 9]]
-    rows = [{"extra_info": {"turns": 4, "delay": 0.0}}, {"extra_info": {"turns": 2, "delay": 1.5}}]
+    rows = [{"extra_info": {"turns": 4}}, {"extra_info": {"turns": 2, "waits": "fast done"}}]
     params = SamplingParams(max_new_tokens=80, temperature=0.0, stop_token_ids=STOPS)
     trajectories = generate_trajectories(engine, [TrajectoryTask(p, r) for p, r in zip(prompts, rows)], params, agent)
     assert [t.stats.turns for t in trajectories] == [4, 2]
@@ -173,7 +191,7 @@ def test_a_trajectory_whose_environment_answers_fast_does_not_wait_for_a_slow_on
 
 def test_the_response_budget_spans_all_turns_and_cuts_a_batch_to_each_trajectory(tiny):
     engine, agent = recording_engine(tiny), conversation_agent()
-    rows = [{"extra_info": {"turns": 50, "delay": 0.0}}]
+    rows = [{"extra_info": {"turns": 50}}]
     trajectory, = generate_trajectories(engine, [TrajectoryTask([5, 6, 7], rows[0])],
                                         SamplingParams(max_new_tokens=30, temperature=1.0, stop_token_ids=STOPS), agent)
     assert len(trajectory.token_ids) <= 30 and trajectory.stats.truncated

@@ -2,6 +2,7 @@
 (``reward_model.overlong_buffer``), on one process against references written independently."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,9 @@ from engine.config import ConfigError, load_config
 from engine.config.algorithm import FilterGroupsConfig
 from engine.rewards.combine import RewardScores
 from engine.trainer.dynamic_sampling import GroupsExhausted, ScoredRollout, fill_with_groups_with_spread
-from engine.rollout.agentic.trajectory import Trajectory
-from engine.trainer.rollout import Rollout, to_rollout_batch
+from engine.roles.batch import SampleInfo
+from engine.rollout.agentic.trajectory import Trajectory, TrajectoryStats
+from engine.trainer.rollout import to_rollout_batch
 
 DEMO = Path(__file__).resolve().parents[1] / "yaml" / "demo_cpu.yaml"
 GRPO = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "algorithm.use_kl_in_reward=false"]
@@ -56,12 +58,11 @@ def scored_round(round_index: int, correct: list[list[int]], prompt_length: int)
                                         routed_experts=torch.full((prompt_length + 1 + row % 2, 2, 1), tag % 8,
                                                                   dtype=torch.int16)))
             uids.append(group)  # prompt uids repeat across rounds, as when the data wraps around
-    batch, log_probs = to_rollout_batch(prompts, responses, response_length=3, pad_id=0)
-    rows = len(prompts)
-    meta = {"data_sources": ["d"] * rows, "ground_truths": [str(tag) for tag in range(rows)],
-            "extra_infos": [{}] * rows, "messages": [[]] * rows, "uids": torch.tensor(uids)}
+    batch = to_rollout_batch(prompts, responses, response_length=3, pad_id=0)
+    samples = [SampleInfo("d", str(tag), {}, [], TrajectoryStats(turns=1)) for tag in range(len(prompts))]
+    batch = dataclasses.replace(batch, uids=torch.tensor(uids), samples=samples, policy_version=3, generation_s=1.0)
     rule = torch.tensor([score for group in correct for score in group], dtype=torch.float32)
-    return ScoredRollout(Rollout(batch, meta, log_probs, policy_version=3, generation_s=1.0), rule * 2 - 0.5,
+    return ScoredRollout(batch, rule * 2 - 0.5,
                          RewardScores(rule=rule), {"reward/rule/mean": rule.mean().item()})
 
 
@@ -77,22 +78,22 @@ def test_dynamic_sampling_fills_exactly_the_batch_with_groups_that_have_a_spread
     assert len(batch.scores) == 6 and next(more, None) is None
     rule = batch.sources.rule.view(3, 2)
     assert (rule.amax(dim=1) > rule.amin(dim=1)).all()
-    assert batch.rollout.meta["uids"].tolist() == [0, 0, 1, 1, 2, 2]  # a group id each, whatever the prompt
-    ids = batch.rollout.batch.input_ids
+    assert batch.rollout.uids.tolist() == [0, 0, 1, 1, 2, 2]  # a group id each, whatever the prompt
+    ids = batch.rollout.input_ids
     assert ids.shape == (6, 3 + 3)  # prompts left-padded to round 2's width
     for row, (round_index, group) in enumerate(x for x in origin for _ in range(2)):
         source = rounds[round_index]
         source_row = 2 * group + row % 2
         tag = 1000 * round_index + 10 * group + row % 2
-        width = source.rollout.batch.input_ids.shape[1]
-        assert ids[row, -width:].tolist() == source.rollout.batch.input_ids[source_row].tolist()
+        width = source.rollout.input_ids.shape[1]
+        assert ids[row, -width:].tolist() == source.rollout.input_ids[source_row].tolist()
         assert ids[row, :-width].tolist() == [0] * (6 - width)
-        assert batch.rollout.batch.attention_mask[row].sum() == source.rollout.batch.attention_mask[source_row].sum()
-        assert batch.rollout.log_probs[row].tolist() == source.rollout.log_probs[source_row].tolist()
-        assert batch.rollout.meta["ground_truths"][row] == source.rollout.meta["ground_truths"][source_row]
+        assert batch.rollout.attention_mask[row].sum() == source.rollout.attention_mask[source_row].sum()
+        assert batch.rollout.rollout_log_probs[row].tolist() == source.rollout.rollout_log_probs[source_row].tolist()
+        assert batch.rollout.samples[row].ground_truth == source.rollout.samples[source_row].ground_truth
         assert batch.scores[row] == source.scores[source_row]
-        experts = batch.rollout.batch.routed_experts[row]
-        assert (experts[-width:] == source.rollout.batch.routed_experts[source_row]).all()
+        experts = batch.rollout.routed_experts[row]
+        assert (experts[-width:] == source.rollout.routed_experts[source_row]).all()
         assert (experts[:-width] == -1).all() and (experts[-width:][experts[-width:] >= 0] == tag % 8).all()
     assert metrics == {"rollout/num_gen_batches": 3.0, "rollout/filtered_groups/fraction": 1 - 4 / 10}
     assert batch.metrics["reward/rule/mean"] == pytest.approx((3 / 6 + 2 / 6 + 5 / 8) / 3)  # every round

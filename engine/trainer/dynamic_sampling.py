@@ -19,7 +19,7 @@ from engine.algo.dapo import groups_with_spread
 from engine.config.algorithm import FilterGroupsConfig
 from engine.config.errors import ConfigError
 from engine.rewards.combine import RewardScores
-from engine.trainer.rollout import Rollout
+from engine.roles import RolloutBatch
 
 
 class GroupsExhausted(ConfigError):
@@ -30,7 +30,7 @@ class GroupsExhausted(ConfigError):
 class ScoredRollout:
     """A generated global batch with its rewards (``ppo_trainer._score``'s results)."""
 
-    rollout: Rollout
+    rollout: RolloutBatch
     scores: torch.Tensor  # [B] the reward of each response
     sources: RewardScores  # the scores of each source
     metrics: dict[str, float]  # reward/*
@@ -42,7 +42,7 @@ class ScoredRollout:
     @staticmethod
     def concat(parts: list["ScoredRollout"], pad_id: int, metrics: dict[str, float]) -> "ScoredRollout":
         """One batch of several rounds, with ``metrics``."""
-        return ScoredRollout(Rollout.concat([p.rollout for p in parts], pad_id), torch.cat([p.scores for p in parts]),
+        return ScoredRollout(RolloutBatch.concat([p.rollout for p in parts], pad_id), torch.cat([p.scores for p in parts]),
                              _each_source(parts, torch.cat), metrics)
 
 
@@ -99,10 +99,10 @@ def fill_with_groups_with_spread(first: ScoredRollout, next_round: Callable[[], 
     batch = ScoredRollout.concat(kept, pad_id, {key: sum(m[key] for m in reward_metrics) / rounds
                                                 for key in reward_metrics[0]})
     batch = batch.select(torch.arange(groups_wanted * group_size))  # the last round's surplus is discarded
-    batch.rollout.generation_s = generation_s  # every round's
     # Group ids for the estimators: a prompt drawn again in a later round (the data wrapped around)
-    # is a group of its own, not one group of 2n.
-    batch.rollout.meta["uids"] = torch.arange(groups_wanted).repeat_interleave(group_size)
+    # is a group of its own, not one group of 2n. The generation time is every round's.
+    batch.rollout = dataclasses.replace(batch.rollout, uids=torch.arange(groups_wanted).repeat_interleave(group_size),
+                                        generation_s=generation_s)
     metrics = {"rollout/num_gen_batches": float(rounds),
                "rollout/filtered_groups/fraction": 1.0 - kept_groups / generated_groups}
     return batch, metrics

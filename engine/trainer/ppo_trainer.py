@@ -42,7 +42,7 @@ from engine.trainer.fault_injection import RESTART_COUNT_ENV, kill_if_asked
 from engine.trainer.flops import DecoderShape, model_flops_utilization, peak_flops_per_device, training_flops
 from engine.trainer.profiling import StepProfiler
 from engine.trainer.dynamic_sampling import ScoredRollout, fill_with_groups_with_spread
-from engine.trainer.rollout import Rollout, generate, restart_dead_servers
+from engine.trainer.rollout import generate, restart_dead_servers
 from engine.trainer.run_dir import RunDirectory
 from engine.trainer.tracking import Tracker, phase, step_peak_memory
 
@@ -176,27 +176,27 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
         generated = scored.rollout
     with phase("gen", metrics):
         _release_engine_memory(parts, MEMORY_TAGS)
-    batch, meta, rollout_log_probs = generated.batch, generated.meta, generated.log_probs
-    metrics.update(_staleness_metrics(generated, step, cfg.trainer.max_staleness))
+    batch = generated
+    metrics.update(_staleness_metrics(batch, step, cfg.trainer.max_staleness))
     if parts.agent is not None:  # multi-turn: turns, tool calls and their errors, truncation
-        metrics.update(trajectory_metrics(meta["trajectories"]))
+        metrics.update(trajectory_metrics([sample.trajectory for sample in batch.samples]))
     metrics["rollout/server_restarts"] = parts.server_restarts
     if cfg.actor_rollout_ref.actor.use_rollout_log_probs:  # pi_old = the sampler's own log-probs, no recompute
-        batch.old_log_probs, rollout_log_probs = rollout_log_probs, None
+        batch = replace(batch, old_log_probs=batch.rollout_log_probs, rollout_log_probs=None)
     else:
         with phase("old_log_prob", metrics):
-            batch.old_log_probs = parts.actor.compute_old_log_probs(batch, temperature, metrics)
+            batch = replace(batch, old_log_probs=parts.actor.compute_old_log_probs(batch, temperature, metrics))
     if rollout.check_weight_sync and not parts.weight_sync.checks_by_fingerprint:
-        check_rollout_log_probs(rollout_log_probs, batch.old_log_probs, batch.response_mask,
+        check_rollout_log_probs(batch.rollout_log_probs, batch.old_log_probs, batch.response_mask,
                                 rollout.check_weight_sync_tolerance)
     if parts.reference is not None:
         with phase("ref", metrics):
-            batch.ref_log_probs = parts.reference.compute_ref_log_probs(batch, temperature)
+            batch = replace(batch, ref_log_probs=parts.reference.compute_ref_log_probs(batch, temperature))
     if parts.critic is not None:
         with phase("values", metrics):
-            batch.values = parts.critic.compute_values(batch)
+            batch = replace(batch, values=parts.critic.compute_values(batch))
     with phase("reward", metrics):
-        scored = scored or _score(parts, generated, cfg, training=True)
+        scored = scored or _score(parts, batch, cfg, training=True)
         scores, reward_metrics = scored.scores, scored.metrics
         rewards = token_level_scores(scores, batch.response_mask)
         baseline = None
@@ -212,14 +212,14 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
             metrics["actor/reward_kl_penalty_coeff"] = parts.kl_controller.value
             parts.kl_controller.update(float(current_kl), len(batch))
         advantage = compute_advantages(AdvantageInputs(rewards, batch.response_mask, values=batch.values,
-                                                       group_index=meta["uids"], baseline_scores=baseline), algo)
+                                                       group_index=batch.uids, baseline_scores=baseline), algo)
         batch = replace(batch, advantages=advantage.advantages, returns=advantage.returns)
     if parts.critic is not None:
         with phase("update_critic", metrics):
             metrics.update(parts.critic.update_critic(batch))
     if step > cfg.critic.warmup_steps or parts.critic is None:
         with phase("update_actor", metrics):
-            actor_batch = _corrected_for_the_rollout_policy(batch, rollout_log_probs, algo, metrics)
+            actor_batch = _corrected_for_the_rollout_policy(batch, algo, metrics)
             metrics.update(parts.actor.update_policy(actor_batch, temperature))
         metrics["perf/mfu/actor"] = _actor_update_mfu(cfg, parts, batch, metrics["timing_s/update_actor"])
     with phase("update_weights", metrics):  # every step: released weights must be pushed again
@@ -229,7 +229,7 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
         parts.rollout_ahead.after_push(parts)
     metrics["timing_s/step"] = time.perf_counter() - start  # phase() names its entries timing_s/<phase>
     metrics["perf/weight_sync_received_mb"] = sync.stats.bytes_received / 2**20  # this rank, in the engine's dtype
-    metrics.update(_batch_metrics(batch, scores, rollout_log_probs, reward_metrics, rollout.n))
+    metrics.update(_batch_metrics(batch, scores, reward_metrics, rollout.n))
     tokens = int(batch.attention_mask.sum())
     metrics["perf/total_num_tokens"] = tokens
     # HybridFlow's throughput: prompt + response tokens of the global batch / iteration time, per device.
@@ -238,7 +238,7 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
     return metrics
 
 
-def _rollout_in_order(parts: PPOComponents, prompts, upcoming, sampling: SamplingParams, n: int, step: int) -> Rollout:
+def _rollout_in_order(parts: PPOComponents, prompts, upcoming, sampling: SamplingParams, n: int, step: int) -> RolloutBatch:
     """The rollout of ``prompts`` (``n`` samples each): the oldest batch generating ahead, else
     generated now; ``upcoming`` batches start generating with the weights of ``step``."""
     generated = parts.rollout_ahead.take(parts, prompts.repeat_interleave(n), sampling, policy_version=step)
@@ -247,13 +247,13 @@ def _rollout_in_order(parts: PPOComponents, prompts, upcoming, sampling: Samplin
     return generated
 
 
-def _fill_with_groups_with_spread(cfg: ExperimentConfig, parts: PPOComponents, generated: Rollout, more_prompts,
+def _fill_with_groups_with_spread(cfg: ExperimentConfig, parts: PPOComponents, generated: RolloutBatch, more_prompts,
                                   sampling: SamplingParams, step: int, metrics: dict) -> ScoredRollout:
     """DAPO's dynamic sampling (``engine.trainer.dynamic_sampling``): the step's batch of exactly
     ``data.train_batch_size`` groups with a reward spread, generating more rounds as needed."""
     n = cfg.actor_rollout_ref.rollout.n
 
-    def scored(rollout: Rollout) -> ScoredRollout:
+    def scored(rollout: RolloutBatch) -> ScoredRollout:
         with phase("reward", metrics):
             return _score(parts, rollout, cfg, training=True)
 
@@ -285,13 +285,13 @@ def hand_over_weights(parts: PPOComponents, version: int):
     return report
 
 
-def _corrected_for_the_rollout_policy(batch: RolloutBatch, rollout_log_probs, algo, metrics: dict) -> RolloutBatch:
+def _corrected_for_the_rollout_policy(batch: RolloutBatch, algo, metrics: dict) -> RolloutBatch:
     """The actor's batch under ``algorithm.rollout_correction``: the engine sampled from pi_rollout,
     PPO's ratio is taken against pi_old; TIS weights scale the advantages (w > 0, so the weighted
     clipped loss is the clipped loss of w * A) and rejected tokens leave the mask."""
     if not algo.rollout_correction.enabled:
         return batch
-    correction = compute_rollout_correction(batch.old_log_probs, rollout_log_probs, batch.response_mask,
+    correction = compute_rollout_correction(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask,
                                             algo.rollout_correction)
     metrics.update(correction.metrics)
     if not correction.mask.any():
@@ -302,13 +302,13 @@ def _corrected_for_the_rollout_policy(batch: RolloutBatch, rollout_log_probs, al
     return replace(batch, advantages=batch.advantages * correction.weights, response_mask=correction.mask)
 
 
-def _staleness_metrics(generated: Rollout, step: int, max_staleness: int) -> dict[str, float]:
+def _staleness_metrics(generated: RolloutBatch, step: int, max_staleness: int) -> dict[str, float]:
     """Which weights sampled the batch: ``rollout/policy_version`` (those its generation started
     with), how many steps behind the trainer's its response tokens are (``rollout/staleness/mean``,
     ``/max``; per token where the engine tags them), the share of responses with tokens of more
     than one version (``rollout/partial/fraction``: continued after a weight push), and how long
     the engine generated it (``perf/rollout_generation_s``; overlapped with training when ahead)."""
-    mask = generated.batch.response_mask.bool()
+    mask = generated.response_mask.bool()
     versions = generated.token_versions
     if versions is None:
         versions = torch.full(mask.shape, generated.policy_version, dtype=torch.long)
@@ -346,32 +346,33 @@ def _resume_engine_memory(parts: PPOComponents, tags) -> None:
         record("resume", tags=list(tags))
 
 
-def _score(parts: PPOComponents, generated: Rollout, cfg: ExperimentConfig, training: bool = False) -> ScoredRollout:
+def _score(parts: PPOComponents, batch: RolloutBatch, cfg: ExperimentConfig, training: bool = False) -> ScoredRollout:
     """The reward of each response, ``[B]`` on every rank: its rule score (each response scored on
     one rank, ``score_on_all_ranks``, on the text the model wrote: every turn's, appended messages
     excepted), reward-model score and judge score, combined by ``reward_model.combine``, plus a
     multi-turn environment's reward and DAPO's overlong penalty (``reward_model.overlong_buffer``); the
     scores of each source; and the ``reward/*`` metrics. ``training`` counts failing rule calls (a
     function that keeps failing stops the run)."""
-    batch, meta = generated.batch, generated.meta
+    samples = batch.samples
     responses = decode_responses(parts.tokenizer, batch.input_ids[:, -batch.response_length:], batch.response_mask)
     sources, metrics = RewardScores(), {}
     if parts.scores_rules:
-        rule = score_on_all_ranks(parts.rewards, responses, meta["data_sources"], meta["ground_truths"],
-                                  meta["extra_infos"])
+        data_sources = [s.data_source for s in samples]
+        rule = score_on_all_ranks(parts.rewards, responses, data_sources, [s.ground_truth for s in samples],
+                                  [s.extra_info for s in samples])
         if training:
-            parts.rewards.check_training_step(rule, meta["data_sources"])
+            parts.rewards.check_training_step(rule, data_sources)
         sources.rule = rule.scores
         metrics.update(rule.metrics)
     if parts.reward_model is not None:
-        sources.model, model_metrics = parts.reward_model.score(batch, meta["messages"], responses)
+        sources.model, model_metrics = parts.reward_model.score(batch, [s.messages for s in samples], responses)
         metrics.update(model_metrics)
     if parts.judge is not None:
-        sources.judge, judge_metrics = parts.judge.score_on_all_ranks(meta["messages"], responses)
+        sources.judge, judge_metrics = parts.judge.score_on_all_ranks([s.messages for s in samples], responses)
         metrics.update(judge_metrics)
     scores, combined_metrics = combine_rewards(sources, cfg.reward_model.combine)
     metrics.update(combined_metrics)
-    environment = [stats.env_reward for stats in meta["trajectories"]]
+    environment = [s.trajectory.env_reward for s in samples]
     if any(reward is not None for reward in environment):  # multi-turn environments' own rewards join the score
         environment = torch.tensor([reward or 0.0 for reward in environment], dtype=scores.dtype)
         scores = scores + environment
@@ -382,10 +383,10 @@ def _score(parts: PPOComponents, generated: Rollout, cfg: ExperimentConfig, trai
                                    overlong.penalty_factor)
         scores = scores + penalty
         metrics["reward/overlong_penalty/mean"] = penalty.mean().item()
-    return ScoredRollout(generated, scores, sources, metrics)
+    return ScoredRollout(batch, scores, sources, metrics)
 
 
-def _batch_metrics(batch: RolloutBatch, scores, rollout_log_probs, reward_metrics, n: int) -> dict[str, float]:
+def _batch_metrics(batch: RolloutBatch, scores, reward_metrics, n: int) -> dict[str, float]:
     """The trained batch's metrics; with ``n`` responses per prompt, how many prompt groups it has and
     the fraction whose rewards differ (the rest teach a group estimator nothing; see
     ``algorithm.filter_groups``)."""
@@ -402,8 +403,8 @@ def _batch_metrics(batch: RolloutBatch, scores, rollout_log_probs, reward_metric
         "critic/returns/mean": masked_mean(batch.returns, mask).item(),
         **reward_metrics,
     }
-    if rollout_log_probs is not None:  # train/inference mismatch: the engine's log-probs vs the trainer's recomputation
-        metrics["rollout/log_prob_abs_diff"] = masked_mean((rollout_log_probs - batch.old_log_probs).abs(), mask).item()
+    if batch.rollout_log_probs is not None:  # train/inference mismatch: the engine's log-probs vs the trainer's recomputation
+        metrics["rollout/log_prob_abs_diff"] = masked_mean((batch.rollout_log_probs - batch.old_log_probs).abs(), mask).item()
     if batch.values is not None:
         from engine.algo.losses import explained_variance
 

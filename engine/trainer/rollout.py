@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from engine.roles import RolloutBatch
+from engine.roles.batch import SampleInfo
 from engine.rollout.agentic.trajectory import Trajectory, TrajectoryTask, generate_trajectories
 from engine.rollout.base import SamplingParams
 from engine.trainer.console import say
@@ -46,58 +47,6 @@ from parallel.state import control_group
 # Keyed by the batch's names, with the name a row (``TrajectoryTask.row``) gives each.
 ROW_KEYS = {"data_sources": "data_source", "ground_truths": "ground_truth", "extra_infos": "extra_info",
             "messages": "messages"}
-
-
-@dataclasses.dataclass
-class Rollout:
-    """A generated global batch, the same on every rank."""
-
-    batch: RolloutBatch
-    # per sequence: data_sources, ground_truths, extra_infos, messages, uids, trajectories (TrajectoryStats)
-    meta: dict[str, Any]
-    log_probs: torch.Tensor  # the engine's own log-probs of the sampled tokens, [B, response_length]
-    policy_version: int  # the weights' version when its generation started
-    generation_s: float  # how long the engine generated it (start to last response)
-    # [B, response_length] the version that sampled each token (-1 on padding), where the engine
-    # tags them (SGLang); with partial rollouts some are later than policy_version.
-    token_versions: torch.Tensor | None = None
-
-    def select(self, rows: torch.Tensor) -> "Rollout":
-        """The rows ``rows`` (indices, in that order)."""
-        batch = RolloutBatch(self.batch.input_ids[rows], self.batch.attention_mask[rows], self.batch.response_mask[rows],
-                             routed_experts=None if self.batch.routed_experts is None else self.batch.routed_experts[rows])
-        index = rows.tolist()
-        meta = {key: value[rows] if isinstance(value, torch.Tensor) else [value[i] for i in index]
-                for key, value in self.meta.items()}
-        return Rollout(batch, meta, self.log_probs[rows], self.policy_version, self.generation_s,
-                       None if self.token_versions is None else self.token_versions[rows])
-
-    @staticmethod
-    def concat(rollouts: list["Rollout"], pad_id: int) -> "Rollout":
-        """One rollout of several generated with the same weights and response length: prompts
-        left-padded to the widest; the generation time is the sum."""
-        width = max(r.batch.input_ids.shape[1] for r in rollouts)
-
-        def widened(tensor: torch.Tensor | None, fill: int) -> torch.Tensor | None:
-            if tensor is None:
-                return None
-            pad = torch.full((tensor.shape[0], width - tensor.shape[1], *tensor.shape[2:]), fill, dtype=tensor.dtype)
-            return torch.cat([pad, tensor], dim=1)
-
-        experts = [r.batch.routed_experts for r in rollouts]
-        if any(e is None for e in experts) and not all(e is None for e in experts):
-            raise ValueError("rollouts to concatenate disagree on whether the engine reported routed experts")
-        batch = RolloutBatch(
-            torch.cat([widened(r.batch.input_ids, pad_id) for r in rollouts]),
-            torch.cat([widened(r.batch.attention_mask, 0) for r in rollouts]),
-            torch.cat([r.batch.response_mask for r in rollouts]),
-            routed_experts=None if experts[0] is None else torch.cat([widened(e, -1) for e in experts]))
-        meta = {key: torch.cat([r.meta[key] for r in rollouts]) if isinstance(value, torch.Tensor)
-                else [item for r in rollouts for item in r.meta[key]] for key, value in rollouts[0].meta.items()}
-        versions = [r.token_versions for r in rollouts]
-        return Rollout(batch, meta, torch.cat([r.log_probs for r in rollouts]), rollouts[0].policy_version,
-                       sum(r.generation_s for r in rollouts),
-                       None if any(v is None for v in versions) else torch.cat(versions))
 
 
 @dataclasses.dataclass
@@ -113,7 +62,7 @@ class _Pending:
     future: concurrent.futures.Future | None = None
 
 
-def generate(parts, prompts, params: SamplingParams, policy_version: int = 0) -> Rollout:
+def generate(parts, prompts, params: SamplingParams, policy_version: int = 0) -> RolloutBatch:
     """Generate ``prompts`` (this data-parallel rank's ``PromptBatch``) now; collective."""
     return _finish(parts, _start(parts, prompts, params, policy_version))
 
@@ -207,7 +156,7 @@ def _start(parts, prompts, params: SamplingParams, policy_version: int, backgrou
     return pending
 
 
-def _finish(parts, pending: _Pending) -> Rollout:
+def _finish(parts, pending: _Pending) -> RolloutBatch:
     merged = pending.merged
     answer = pending.future.result() if pending.future is not None else pending.responses
     if parts.weight_sync.disaggregated:
@@ -225,13 +174,12 @@ def _finish(parts, pending: _Pending) -> Rollout:
             seconds += box[0][1]
     else:
         seconds = answer[1]
-    batch, log_probs = to_rollout_batch(merged["prompts"], merged["responses"], pending.params.max_new_tokens,
-                                        parts.tokenizer.pad_token_id or 0)
-    meta = {key: merged[key] for key in ROW_KEYS}
-    meta["uids"] = torch.as_tensor(merged["uids"], dtype=torch.long)
-    meta["trajectories"] = [trajectory.stats for trajectory in merged["responses"]]
-    return Rollout(batch, meta, log_probs, pending.policy_version, seconds,
-                   token_versions(merged["responses"], pending.params.max_new_tokens))
+    batch = to_rollout_batch(merged["prompts"], merged["responses"], pending.params.max_new_tokens,
+                             parts.tokenizer.pad_token_id or 0)
+    samples = [SampleInfo(*(merged[key][i] for key in ROW_KEYS), trajectory.stats)
+               for i, trajectory in enumerate(merged["responses"])]
+    return dataclasses.replace(batch, uids=torch.as_tensor(merged["uids"], dtype=torch.long), samples=samples,
+                               policy_version=pending.policy_version, generation_s=seconds)
 
 
 class RolloutAhead:
@@ -246,7 +194,7 @@ class RolloutAhead:
         self.depth, self.partial = depth, partial
         self._paused = False
 
-    def take(self, parts, prompts, params: SamplingParams, policy_version: int) -> Rollout:
+    def take(self, parts, prompts, params: SamplingParams, policy_version: int) -> RolloutBatch:
         """The rollout of ``prompts``: the oldest one generating in the background, else generated now."""
         if not self._pending:
             return generate(parts, prompts, params, policy_version)
@@ -294,11 +242,11 @@ def token_versions(responses: list[Trajectory], response_length: int) -> torch.T
     return out
 
 
-def to_rollout_batch(prompts, responses: list[Trajectory], response_length: int, pad_id: int):
+def to_rollout_batch(prompts, responses: list[Trajectory], response_length: int, pad_id: int) -> RolloutBatch:
     """Left-padded prompts and right-padded responses as one ``RolloutBatch`` whose response mask is
-    the trajectories' loss mask (0 on appended messages), with the experts each token was routed to
-    where the engine reported them; and the engine's log-probs in the response layout (0 off the
-    loss mask)."""
+    the trajectories' loss mask (0 on appended messages), with the engine's log-probs in the
+    response layout (0 off the loss mask), its token versions and the experts each token was routed
+    to, where the engine reported them."""
     prompt_length = max(len(p) for p in prompts)
     rows = len(prompts)
     input_ids = torch.full((rows, prompt_length + response_length), pad_id, dtype=torch.long)
@@ -318,4 +266,5 @@ def to_rollout_batch(prompts, responses: list[Trajectory], response_length: int,
         rollout_log_probs[i, :len(tokens)] = torch.as_tensor(trajectory.log_probs)
         if trajectory.routed_experts is not None:
             routed_experts[i, start:start + len(trajectory.routed_experts)] = trajectory.routed_experts
-    return RolloutBatch(input_ids, attention_mask, response_mask, routed_experts=routed_experts), rollout_log_probs
+    return RolloutBatch(input_ids, attention_mask, response_mask, routed_experts=routed_experts,
+                        rollout_log_probs=rollout_log_probs, token_versions=token_versions(responses, response_length))

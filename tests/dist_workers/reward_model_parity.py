@@ -40,8 +40,7 @@ def policy_batch(tokenizer):
                for m, _ in CONVERSATIONS]
     responses = [tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for _, r in CONVERSATIONS]
     responses = [Trajectory(ids, [0.0] * len(ids), [1] * len(ids)) for ids in responses]
-    batch, _ = to_rollout_batch(prompts, responses, max(len(t.token_ids) for t in responses), tokenizer.pad_token_id)
-    return batch
+    return to_rollout_batch(prompts, responses, max(len(t.token_ids) for t in responses), tokenizer.pad_token_id)
 
 
 def main() -> None:

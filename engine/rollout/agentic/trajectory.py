@@ -165,34 +165,39 @@ class _EventLoop:
 
 
 def generate_trajectories(engine: RolloutEngine, tasks: list[TrajectoryTask], params: SamplingParams,
-                          agent: Agent | None = None) -> list[Trajectory | None]:
+                          agent: Agent | None = None, barrier: bool = False) -> list[Trajectory | None]:
     """One trajectory per task (``params.max_new_tokens`` is the budget across all turns); None
-    for a task lost with a server that died (``RolloutServerDied``: send it again after the restart)."""
+    for a task lost with a server that died (``RolloutServerDied``: send it again after the restart).
+    ``barrier``: the turn-by-turn baseline (``benchmarks.agentic``): a turn starts only when every
+    trajectory has finished the one before, generation and tools included."""
     if params.n != 1:
         raise ValueError("trajectories are generated one per task: repeat the prompts instead of n > 1")
     runs = [_Running(task, params.max_new_tokens) for task in tasks]
     with _EventLoop() as tools, concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, min(len(runs), 256)) if engine.concurrent_requests else 1,
             thread_name_prefix="trajectory-generate") as pool:
-        _Scheduler(engine, params, agent, tools, pool).run(runs)
+        _Scheduler(engine, params, agent, tools, pool, barrier).run(runs)
     return [None if run.lost else run.trajectory for run in runs]
 
 
 class _Scheduler:
     def __init__(self, engine: RolloutEngine, params: SamplingParams, agent: Agent | None, tools: _EventLoop,
-                 pool: concurrent.futures.Executor) -> None:
+                 pool: concurrent.futures.Executor, barrier: bool = False) -> None:
         self.engine, self.params, self.agent, self.tools, self.pool = engine, params, agent, tools, pool
+        self.barrier = barrier
         self.ready: collections.deque[_Running] = collections.deque()
         self.waiting: dict[concurrent.futures.Future, tuple[str, Any]] = {}
         self.generating = 0
 
     def run(self, runs: list[_Running]) -> None:
         if self.agent is not None and self.agent.environments is not None:
+            # Every environment is set up before the first turn, so the first batch holds every row.
             for run in runs:
                 run.environment = self.agent.environments.for_row(run.task.row)
-                self.waiting[self.tools.submit(run.environment.reset(run.task.row))] = ("reset", run)
-        else:
-            self.ready.extend(runs)
+            resets = [self.tools.submit(run.environment.reset(run.task.row)) for run in runs]
+            for reset in resets:
+                reset.result()
+        self.ready.extend(runs)
         report, finished = WaitReport(), lambda: sum(1 for kind, _ in self.waiting.values() if kind == "tools")
         while self.ready or self.waiting:
             self._start_generating()
@@ -205,6 +210,14 @@ class _Scheduler:
                 getattr(self, f"_after_{kind}")(future, payload)
 
     def _start_generating(self) -> None:
+        if self.barrier and self.waiting:
+            return
+        if not self.engine.concurrent_requests and not self.generating:
+            # A batch engine's call costs about the same for few rows as for many: it waits until at
+            # least as many trajectories are ready as are still with their tools.
+            with_tools = len(self.waiting)
+            if len(self.ready) < with_tools:
+                return
         while self.ready and (self.engine.concurrent_requests or not self.generating):
             group = [self.ready.popleft()] if self.engine.concurrent_requests else list(self.ready)
             if not self.engine.concurrent_requests:
@@ -277,10 +290,6 @@ class _Scheduler:
             return
         run.user_turns += 1
         self._continue(run, step.messages)
-
-    def _after_reset(self, future: concurrent.futures.Future, run: _Running) -> None:
-        future.result()
-        self.ready.append(run)
 
     def _continue(self, run: _Running, messages: list[dict]) -> None:
         last = run.trajectory.token_ids[-1] if run.trajectory.token_ids else None
