@@ -1,8 +1,9 @@
 """Convert the GSM8K you already have (JSONL or Parquet with `question`, `answer`) to prompt Parquet.
 
-    python -m launch.data.gsm8k --input train.jsonl [--test-input test.jsonl] --out DIR
+    python -m launch.data.gsm8k --input train.jsonl [--test-input test.jsonl] [--tools] --out DIR
 
-writes DIR/train.parquet and DIR/test.parquet. Without --test-input, a seeded --test-fraction of
+writes DIR/train.parquet and DIR/test.parquet. ``--tools``: the instruction offers the tools of a
+multi-turn run (``yaml/qwen3-8b_tools_gsm8k.yaml``) for the arithmetic. Without --test-input, a seeded --test-fraction of
 --input is held out as the test split. The ground truth is the number after "####" in `answer`.
 """
 from __future__ import annotations
@@ -20,6 +21,8 @@ from engine.rewards.gsm8k import extract_final_answer
 
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+TOOL_INSTRUCTION = ('Let\'s think step by step, using the tools for any arithmetic, and output the final answer '
+                    'after "####".')
 
 
 def read_gsm8k_file(path: str) -> list[dict[str, Any]]:
@@ -48,20 +51,20 @@ def read_gsm8k_file(path: str) -> list[dict[str, Any]]:
     return rows
 
 
-def convert_row(row: dict[str, Any], split: str, index: int, source: str) -> dict[str, Any]:
+def convert_row(row: dict[str, Any], split: str, index: int, source: str, instruction: str = INSTRUCTION) -> dict[str, Any]:
     """One GSM8K row in the prompt schema; the answer must contain "#### <number>"."""
     ground_truth = extract_final_answer(row["answer"])
     if ground_truth is None:
         raise ValueError(f"{source}, row {index}: the answer has no '#### <number>' final line: "
                          f"{row['answer'][-80:]!r}")
-    prompt = [{"role": "user", "content": f"{row['question']} {INSTRUCTION}"}]
+    prompt = [{"role": "user", "content": f"{row['question']} {instruction}"}]
     return make_prompt_row(DATA_SOURCE, prompt, ground_truth, ability="math",
                            extra_info={"split": split, "index": index, "question": row["question"],
                                        "answer": row["answer"]})
 
 
 def convert(input_path: str, out_dir: str, test_input: str | None = None, test_fraction: float = 0.1,
-            seed: int = 0) -> dict[str, int]:
+            seed: int = 0, instruction: str = INSTRUCTION) -> dict[str, int]:
     """Write out_dir/train.parquet and out_dir/test.parquet; returns the row count of each split."""
     train_rows = read_gsm8k_file(input_path)
     if test_input is not None:
@@ -80,8 +83,8 @@ def convert(input_path: str, out_dir: str, test_input: str | None = None, test_f
         train_pairs = [(i, train_rows[i]) for i in sorted(order[num_test:])]
         test_source = input_path
     # `index` is the row number in the source file, so a converted row can be traced back.
-    splits = {"train": [convert_row(row, "train", i, input_path) for i, row in train_pairs],
-              "test": [convert_row(row, "test", i, test_source) for i, row in test_pairs]}
+    splits = {"train": [convert_row(row, "train", i, input_path, instruction) for i, row in train_pairs],
+              "test": [convert_row(row, "test", i, test_source, instruction) for i, row in test_pairs]}
     for split, rows in splits.items():
         write_prompt_parquet(rows, Path(out_dir) / f"{split}.parquet")
     return {split: len(rows) for split, rows in splits.items()}
@@ -94,9 +97,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--test-fraction", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0, help="seed of the held-out split")
     parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--tools", action="store_true", help="an instruction that offers the tools (multi-turn runs)")
     args = parser.parse_args(argv)
     try:
-        counts = convert(args.input, args.out, args.test_input, args.test_fraction, args.seed)
+        counts = convert(args.input, args.out, args.test_input, args.test_fraction, args.seed,
+                         TOOL_INSTRUCTION if args.tools else INSTRUCTION)
     except (ValueError, FileNotFoundError) as error:
         parser.exit(2, f"error: {error}\n")
     print(json.dumps({"out": args.out, **counts}))
