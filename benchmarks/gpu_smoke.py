@@ -125,9 +125,8 @@ def memory_hand_off(parts) -> dict[str, Any]:
 
     from engine.rollout.base import MEMORY_TAGS, RolloutError, WEIGHTS
     from engine.rollout.memory import hand_back_cache
-    from engine.trainer.ppo_trainer import hand_over_weights
 
-    engine = parts.engine
+    engine = parts.rollout.engine
     before = engine.memory()
     engine.release_memory(MEMORY_TAGS)
     released = engine.memory()
@@ -152,7 +151,7 @@ def memory_hand_off(parts) -> dict[str, Any]:
         engine.release_memory(MEMORY_TAGS)  # whatever part of the resume went through
         hand_back_cache("gpu_smoke")
         result["free_after_hand_back_gb"] = torch.cuda.mem_get_info()[0] / GIB
-    hand_over_weights(parts, 1)  # hand back, resume weights, push, resume KV cache and graphs
+    parts.rollout.wake_and_sync(1)  # hand back, resume weights, push, resume KV cache and graphs
     result["engine_resumed"] = engine.memory()
     check(result["engine_resumed"]["weight_bytes"] == before["weight_bytes"], "the weights did not come back")
     return result
@@ -172,7 +171,7 @@ def run(steps: int, cpu: bool, work: Path) -> dict[str, Any]:
     from engine.models.gpt import use_transformer_engine
     from engine.sync import expected_log_prob_gap
     from engine.trainer.components import build_components
-    from engine.trainer.ppo_trainer import hand_over_weights, resume_from_checkpoint, save_checkpoint
+    from engine.trainer.ppo_trainer import resume_from_checkpoint, save_checkpoint
     from engine.trainer.run_dir import RunDirectory
     from parallel.state import destroy_model_parallel, initialize_model_parallel
 
@@ -190,16 +189,16 @@ def run(steps: int, cpu: bool, work: Path) -> dict[str, Any]:
     }
     try:
         parts = build_components(cfg, run_dir)  # the engine first, released, then the models
-        report["start_order"] = start_order(parts.engine)
+        report["start_order"] = start_order(parts.rollout.engine)
         report["parameters"] = sum(p.numel() for chunk in parts.actor.model_chunks for p in chunk.parameters())
-        hand_over_weights(parts, 1)
+        parts.rollout.wake_and_sync(1)
         report["memory_hand_off"] = memory_hand_off(parts)
         batches = iter(parts.train_loader)
         for step in range(1, steps):
             report["steps"].append(_step(cfg, parts, next(batches), step))
         save_checkpoint(parts, steps - 1, parts.train_loader.state_dict())
         saved = actor_fingerprint(parts)
-        parts.engine.shutdown()
+        parts.rollout.engine.shutdown()
         del parts, batches
         gc.collect()
         if torch.cuda.is_available():
@@ -209,9 +208,9 @@ def run(steps: int, cpu: bool, work: Path) -> dict[str, Any]:
         parts = build_components(cfg, run_dir)
         check(resume_from_checkpoint(cfg, parts) == steps - 1, "the rebuilt run did not resume from the checkpoint")
         check(actor_fingerprint(parts) == saved, "the resumed actor's weights differ from the saved ones")
-        hand_over_weights(parts, steps)
+        parts.rollout.wake_and_sync(steps)
         report["steps"].append(_step(cfg, parts, next(iter(parts.train_loader)), steps))
-        parts.engine.shutdown()
+        parts.rollout.engine.shutdown()
     finally:
         destroy_model_parallel()
     tolerance = expected_log_prob_gap(cfg.actor_rollout_ref.rollout.dtype, megatron.param_dtype)

@@ -31,8 +31,7 @@ from engine.rewards.manager import decode_responses, token_level_scores
 from engine.rewards.spmd import score_on_all_ranks
 from engine.roles import RolloutBatch
 from engine.rollout.agentic.trajectory import trajectory_metrics
-from engine.rollout.base import CUDA_GRAPH, KV_CACHE, MEMORY_TAGS, WEIGHTS, SamplingParams
-from engine.rollout.memory import hand_back_cache, record
+from engine.rollout.base import SamplingParams
 from engine.sync import check_rollout_log_probs
 from engine.trainer import watchdog
 from engine.trainer.checkpoint import export_hf_model
@@ -42,7 +41,6 @@ from engine.trainer.fault_injection import RESTART_COUNT_ENV, kill_if_asked
 from engine.trainer.flops import DecoderShape, model_flops_utilization, peak_flops_per_device, training_flops
 from engine.trainer.profiling import StepProfiler
 from engine.trainer.dynamic_sampling import ScoredRollout, fill_with_groups_with_spread
-from engine.trainer.rollout import generate, restart_dead_servers
 from engine.trainer.run_dir import RunDirectory
 from engine.trainer.tracking import Tracker, phase, step_peak_memory
 
@@ -60,7 +58,7 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
     parts = build_components(cfg, run)
     with parts.trained_models_resident():
         step = resume_from_checkpoint(cfg, parts)
-    hand_over_weights(parts, step + 1)  # the engine (started released) serves exactly the (possibly resumed) actor
+    parts.rollout.wake_and_sync(step + 1)  # the engine (started released) serves exactly the (possibly resumed) actor
     tracker = Tracker(trainer.logger, run=run, total_steps=parts.total_training_steps, start_step=step,
                       project=trainer.project_name, experiment=trainer.experiment_name,
                       config=OmegaConf.to_container(OmegaConf.structured(cfg)), prometheus_port=trainer.prometheus_port)
@@ -88,8 +86,7 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
                 save_checkpoint(parts, step, batches.sampler_state)
     parts.checkpoints.close()  # waits for an asynchronous save still being written
     tracker.close()
-    if parts.engine is not None:
-        parts.engine.shutdown()
+    parts.rollout.shutdown()
     if parts.judge_server is not None:
         parts.judge_server.stop()
     if not trainer.val_only:
@@ -158,7 +155,7 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
 
     Memory choreography (colocated rollout, ``engine.rollout.memory``): the engine holds its
     weights, KV cache and CUDA graphs only to generate; it releases them before the training phases
-    and takes them back for the weight sync (``hand_over_weights``), so rollout and training never
+    and takes them back for the weight sync (``Rollout.wake_and_sync``), so rollout and training never
     peak together. Servers of their own keep theirs; they only have to be idle for the push.
     """
     metrics: dict[str, float] = {}
@@ -167,26 +164,26 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
     sampling = rollout.sampling_params(cfg.data.max_response_length)
     temperature = sampling.log_prob_temperature  # the trainer's log-probs are the engine's distribution
     with phase("gen", metrics):
-        generated = _rollout_in_order(parts, prompts, upcoming, sampling, rollout.n, step)
+        generated = parts.rollout.next_batch(prompts, upcoming, sampling, rollout.n, step)
         # ReMax (Li et al. 2023): a greedy response per prompt, whose reward is the baseline.
-        greedy = generate(parts, prompts, replace(sampling, temperature=0.0)) if algo.uses_greedy_baseline else None
+        greedy = parts.rollout.generate(prompts, replace(sampling, temperature=0.0)) if algo.uses_greedy_baseline else None
     scored = None
     if algo.filter_groups.enable:  # DAPO's dynamic sampling: rounds while the engine is resident
         scored = _fill_with_groups_with_spread(cfg, parts, generated, more_prompts, sampling, step, metrics)
         generated = scored.rollout
     with phase("gen", metrics):
-        _release_engine_memory(parts, MEMORY_TAGS)
+        parts.rollout.sleep()
     batch = generated
     metrics.update(_staleness_metrics(batch, step, cfg.trainer.max_staleness))
-    if parts.agent is not None:  # multi-turn: turns, tool calls and their errors, truncation
+    if parts.rollout.agent is not None:  # multi-turn: turns, tool calls and their errors, truncation
         metrics.update(trajectory_metrics([sample.trajectory for sample in batch.samples]))
-    metrics["rollout/server_restarts"] = parts.server_restarts
+    metrics["rollout/server_restarts"] = parts.rollout.server_restarts
     if cfg.actor_rollout_ref.actor.use_rollout_log_probs:  # pi_old = the sampler's own log-probs, no recompute
         batch = replace(batch, old_log_probs=batch.rollout_log_probs, rollout_log_probs=None)
     else:
         with phase("old_log_prob", metrics):
             batch = replace(batch, old_log_probs=parts.actor.compute_old_log_probs(batch, temperature, metrics))
-    if rollout.check_weight_sync and not parts.weight_sync.checks_by_fingerprint:
+    if rollout.check_weight_sync and not parts.rollout.weight_sync.checks_by_fingerprint:
         check_rollout_log_probs(batch.rollout_log_probs, batch.old_log_probs, batch.response_mask,
                                 rollout.check_weight_sync_tolerance)
     if parts.reference is not None:
@@ -223,10 +220,8 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
             metrics.update(parts.actor.update_policy(actor_batch, temperature))
         metrics["perf/mfu/actor"] = _actor_update_mfu(cfg, parts, batch, metrics["timing_s/update_actor"])
     with phase("update_weights", metrics):  # every step: released weights must be pushed again
-        # The servers must not generate during the push: wait for them, or pause (partial rollouts).
-        metrics["perf/wait_rollout_ahead_s"] = parts.rollout_ahead.before_push(parts)
-        sync = hand_over_weights(parts, step + 1)  # hand back the cache, resume weights, push, resume KV cache + graphs
-        parts.rollout_ahead.after_push(parts)
+        # Servers generating ahead are made idle first (waited for, or paused with partial rollouts).
+        sync, metrics["perf/wait_rollout_ahead_s"] = parts.rollout.wake_and_sync(step + 1)
     metrics["timing_s/step"] = time.perf_counter() - start  # phase() names its entries timing_s/<phase>
     metrics["perf/weight_sync_received_mb"] = sync.stats.bytes_received / 2**20  # this rank, in the engine's dtype
     metrics.update(_batch_metrics(batch, scores, reward_metrics, rollout.n))
@@ -238,51 +233,25 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
     return metrics
 
 
-def _rollout_in_order(parts: PPOComponents, prompts, upcoming, sampling: SamplingParams, n: int, step: int) -> RolloutBatch:
-    """The rollout of ``prompts`` (``n`` samples each): the oldest batch generating ahead, else
-    generated now; ``upcoming`` batches start generating with the weights of ``step``."""
-    generated = parts.rollout_ahead.take(parts, prompts.repeat_interleave(n), sampling, policy_version=step)
-    for later in upcoming:
-        parts.rollout_ahead.start(parts, later.repeat_interleave(n), sampling, policy_version=step)
-    return generated
-
-
 def _fill_with_groups_with_spread(cfg: ExperimentConfig, parts: PPOComponents, generated: RolloutBatch, more_prompts,
                                   sampling: SamplingParams, step: int, metrics: dict) -> ScoredRollout:
     """DAPO's dynamic sampling (``engine.trainer.dynamic_sampling``): the step's batch of exactly
     ``data.train_batch_size`` groups with a reward spread, generating more rounds as needed."""
     n = cfg.actor_rollout_ref.rollout.n
 
-    def scored(rollout: RolloutBatch) -> ScoredRollout:
+    def scored(batch: RolloutBatch) -> ScoredRollout:
         with phase("reward", metrics):
-            return _score(parts, rollout, cfg, training=True)
+            return _score(parts, batch, cfg, training=True)
 
     def next_round() -> ScoredRollout:
         with phase("gen", metrics):
-            rollout = _rollout_in_order(parts, *more_prompts(), sampling, n, step)
-        return scored(rollout)
+            batch = parts.rollout.next_batch(*more_prompts(), sampling, n, step)
+        return scored(batch)
 
     batch, round_metrics = fill_with_groups_with_spread(scored(generated), next_round, cfg.algorithm.filter_groups,
                                                         cfg.data.train_batch_size, n, parts.tokenizer.pad_token_id or 0)
     metrics.update(round_metrics)
     return batch
-
-
-def hand_over_weights(parts: PPOComponents, version: int):
-    """The actor's weights into the engine, as policy ``version`` (the step that trains from them),
-    in the order colocated memory allows: every rank hands its cached memory back, the engine takes
-    its weights' memory back, the push (the cache handed back after each bucket), then the engine's
-    KV cache and CUDA graphs. Collective."""
-    hand_back_cache("before the engine resumes")
-    _resume_engine_memory(parts, (WEIGHTS,))
-    with parts.actor.offloader.resident("params"):
-        report = parts.weight_sync.sync(parts.engine)
-    parts.weight_version = version
-    if parts.engine is not None:
-        parts.engine.set_weight_version(version)  # the tokens sampled from now on carry it
-    _resume_engine_memory(parts, (KV_CACHE, CUDA_GRAPH))
-    restart_dead_servers(parts)  # a server found dead by these calls starts again (resident) and gets the weights
-    return report
 
 
 def _corrected_for_the_rollout_policy(batch: RolloutBatch, algo, metrics: dict) -> RolloutBatch:
@@ -332,18 +301,6 @@ def _actor_update_mfu(cfg: ExperimentConfig, parts: PPOComponents, batch: Rollou
     flops = cfg.actor_rollout_ref.actor.ppo_epochs * training_flops(shape, batch.attention_mask.sum(dim=1).tolist())
     peak = peak_flops_per_device(dtype=getattr(torch, cfg.actor_rollout_ref.actor.megatron.param_dtype))
     return model_flops_utilization(flops, seconds, dist.get_world_size(), peak)
-
-
-def _release_engine_memory(parts: PPOComponents, tags) -> None:
-    if parts.engine is not None and not parts.weight_sync.disaggregated:  # servers of their own keep theirs
-        parts.engine.release_memory(tags)
-        record("release", tags=list(tags))
-
-
-def _resume_engine_memory(parts: PPOComponents, tags) -> None:
-    if parts.engine is not None and not parts.weight_sync.disaggregated:
-        parts.engine.resume_memory(tags)
-        record("resume", tags=list(tags))
 
 
 def _score(parts: PPOComponents, batch: RolloutBatch, cfg: ExperimentConfig, training: bool = False) -> ScoredRollout:
@@ -424,7 +381,7 @@ def validate(cfg: ExperimentConfig, parts: PPOComponents) -> dict[str, float]:
     model_scores: list[float] = []
     per_prompt: list[list[float]] = []  # rule scores; each prompt's n responses are consecutive
     for prompts in parts.val_loader:
-        generated = generate(parts, prompts.repeat_interleave(val.n), params)
+        generated = parts.rollout.generate(prompts.repeat_interleave(val.n), params)
         scored = _score(parts, generated, cfg)
         scores, sources = scored.scores, scored.sources
         rewards += scores.tolist()

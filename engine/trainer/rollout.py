@@ -17,7 +17,7 @@ others and restarts it at the next weight update; here a replica's prompts belon
 server, so it is restarted at once).
 
 Policy versions: the weights step ``s`` trains from are version ``s`` (the initial or resumed
-weights, then those pushed after step ``s - 1``; ``hand_over_weights`` names them to the engine).
+weights, then those pushed after step ``s - 1``; ``Rollout.wake_and_sync`` names them to the engine).
 On-policy, step ``s`` trains on version ``s``'s samples; k steps off-policy, on version ``s - k``'s
 (and, partial, later ones for the tokens sampled after a push); the first steps of a run or after
 a resume have fewer in flight.
@@ -36,8 +36,13 @@ import torch.distributed as dist
 
 from engine.roles import RolloutBatch
 from engine.roles.batch import SampleInfo
-from engine.rollout.agentic.trajectory import Trajectory, TrajectoryTask, generate_trajectories
-from engine.rollout.base import SamplingParams
+from engine.config import ExperimentConfig
+from engine.rollout.agentic.trajectory import Agent, Trajectory, TrajectoryTask, generate_trajectories
+from engine.rollout.base import CUDA_GRAPH, KV_CACHE, MEMORY_TAGS, WEIGHTS, RolloutEngine, SamplingParams
+from engine.rollout.memory import hand_back_cache, record
+from engine.sync import WeightSynchronizer
+from engine.trainer.rollout_placement import start_colocated_engine, start_disaggregated_servers
+from engine.trainer.run_dir import RunDirectory
 from engine.trainer.console import say
 from parallel.hybrid_engine import gather_generation_results, split_for_generation
 from parallel.state import control_group
@@ -62,16 +67,11 @@ class _Pending:
     future: concurrent.futures.Future | None = None
 
 
-def generate(parts, prompts, params: SamplingParams, policy_version: int = 0) -> RolloutBatch:
-    """Generate ``prompts`` (this data-parallel rank's ``PromptBatch``) now; collective."""
-    return _finish(parts, _start(parts, prompts, params, policy_version))
-
-
-def _timed_generate(parts, tasks: list[TrajectoryTask], params: SamplingParams) -> tuple[list, float]:
+def _timed_generate(rollout: "Rollout", tasks: list[TrajectoryTask], params: SamplingParams) -> tuple[list, float]:
     """A trajectory per task (one turn, or many with ``rollout.multi_turn``), None for one lost with a
     server that died; and the seconds it took."""
     start = time.perf_counter()
-    trajectories = generate_trajectories(parts.engine, tasks, params, parts.agent)
+    trajectories = generate_trajectories(rollout.engine, tasks, params, rollout.agent)
     return trajectories, time.perf_counter() - start
 
 
@@ -81,34 +81,34 @@ def _tasks(prompts: list, rows: dict[str, list]) -> list[TrajectoryTask]:
             for i, prompt in enumerate(prompts)]
 
 
-def restart_dead_servers(parts, lost: bool = False) -> bool:
+def _restart_dead_servers(rollout: "Rollout", lost: bool = False) -> bool:
     """Collective: every rank's dead rollout servers start again and the current weights are pushed
     into every server. ``lost``: this rank lost prompts with them. Returns whether any rank
     restarted a server or lost prompts."""
-    restarted = parts.engine.restart_dead_servers() if parts.engine is not None else 0
+    restarted = rollout.engine.restart_dead_servers() if rollout.engine is not None else 0
     counts = torch.tensor([restarted, int(lost)])
     dist.all_reduce(counts, group=control_group())  # also: no rank pushes before every restart is done
     if counts[0]:
-        parts.server_restarts += int(counts[0])
-        if parts.engine is not None:
-            parts.engine.servers_restarted()
-        with parts.actor.offloader.resident("params"):
-            parts.weight_sync.sync(parts.engine)
-        if parts.engine is not None:
-            parts.engine.set_weight_version(parts.weight_version)
+        rollout.server_restarts += int(counts[0])
+        if rollout.engine is not None:
+            rollout.engine.servers_restarted()
+        with rollout.actor.offloader.resident("params"):
+            rollout.weight_sync.sync(rollout.engine)
+        if rollout.engine is not None:
+            rollout.engine.set_weight_version(rollout.weight_version)
         say(f"[trident] {int(counts[0])} rollout server(s) died and were restarted with the current weights "
-            f"({parts.server_restarts} restart(s) in this run; actor_rollout_ref.rollout.max_server_restarts)")
+            f"({rollout.server_restarts} restart(s) in this run; actor_rollout_ref.rollout.max_server_restarts)")
     return bool(counts.any())
 
 
-def _generate_colocated(parts, tasks: list[TrajectoryTask], params: SamplingParams) -> tuple[list, float]:
+def _generate_colocated(rollout: "Rollout", tasks: list[TrajectoryTask], params: SamplingParams) -> tuple[list, float]:
     """This rank's replica generates its prompts; collective (a server that died is restarted by its
     rank while the others wait, and every rank takes part in the weight push)."""
-    responses, seconds = _timed_generate(parts, tasks, params) if parts.engine is not None else ([], 0.0)
-    while restart_dead_servers(parts, lost=None in responses):
+    responses, seconds = _timed_generate(rollout, tasks, params) if rollout.engine is not None else ([], 0.0)
+    while _restart_dead_servers(rollout, lost=None in responses):
         lost = [i for i, response in enumerate(responses) if response is None]
         if lost:
-            again, more = _timed_generate(parts, [tasks[i] for i in lost], params)
+            again, more = _timed_generate(rollout, [tasks[i] for i in lost], params)
             for i, response in zip(lost, again):
                 responses[i] = response
             seconds += more
@@ -130,8 +130,8 @@ def _in_background(fn, *args) -> concurrent.futures.Future:
     return future
 
 
-def _start(parts, prompts, params: SamplingParams, policy_version: int, background: bool = False) -> _Pending:
-    sync = parts.weight_sync
+def _start(rollout: "Rollout", prompts, params: SamplingParams, policy_version: int, background: bool = False) -> _Pending:
+    sync = rollout.weight_sync
     shard = {
         "prompts": prompts.raw_prompt_ids, "uids": prompts.prompt_uids.tolist(),
         "data_sources": prompts.data_sources, "ground_truths": prompts.ground_truths,
@@ -140,33 +140,33 @@ def _start(parts, prompts, params: SamplingParams, policy_version: int, backgrou
     responses = None
     if not sync.disaggregated:
         mine = split_for_generation(_tasks(shard["prompts"], shard), sync.layout, dist.get_rank())
-        local, seconds = _generate_colocated(parts, mine, params)
+        local, seconds = _generate_colocated(rollout, mine, params)
         shard["responses"] = gather_generation_results(local, sync.groups)  # this DP rank's prompts, in order
         responses = (None, seconds)
-    shards: list = [None] * dist.get_world_size(parts.data_parallel_control_group)
-    dist.all_gather_object(shards, shard, group=parts.data_parallel_control_group)
+    shards: list = [None] * dist.get_world_size(rollout.data_parallel_control_group)
+    dist.all_gather_object(shards, shard, group=rollout.data_parallel_control_group)
     merged = {key: [item for s in shards for item in s[key]] for key in shard}
     pending = _Pending(merged, shard["uids"], params, policy_version, responses)
     if sync.disaggregated and dist.get_rank() == 0:
         tasks = _tasks(merged["prompts"], merged)
         if background:
-            pending.future = _in_background(_timed_generate, parts, tasks, params)
+            pending.future = _in_background(_timed_generate, rollout, tasks, params)
         else:
-            pending.responses = _timed_generate(parts, tasks, params)
+            pending.responses = _timed_generate(rollout, tasks, params)
     return pending
 
 
-def _finish(parts, pending: _Pending) -> RolloutBatch:
+def _finish(rollout: "Rollout", pending: _Pending) -> RolloutBatch:
     merged = pending.merged
     answer = pending.future.result() if pending.future is not None else pending.responses
-    if parts.weight_sync.disaggregated:
+    if rollout.weight_sync.disaggregated:
         box = [answer]
         dist.broadcast_object_list(box, src=0, group=control_group())  # the others waited for rank 0's servers
         merged["responses"], seconds = box[0]
         while None in merged["responses"]:  # lost with a server that died: the same list on every rank
-            restart_dead_servers(parts)
+            _restart_dead_servers(rollout)
             lost = [i for i, response in enumerate(merged["responses"]) if response is None]
-            box = [_timed_generate(parts, [_tasks(merged["prompts"], merged)[i] for i in lost], pending.params)
+            box = [_timed_generate(rollout, [_tasks(merged["prompts"], merged)[i] for i in lost], pending.params)
                    if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(box, src=0, group=control_group())
             for i, response in zip(lost, box[0][0]):
@@ -175,7 +175,7 @@ def _finish(parts, pending: _Pending) -> RolloutBatch:
     else:
         seconds = answer[1]
     batch = to_rollout_batch(merged["prompts"], merged["responses"], pending.params.max_new_tokens,
-                             parts.tokenizer.pad_token_id or 0)
+                             rollout.pad_id)
     samples = [SampleInfo(*(merged[key][i] for key in ROW_KEYS), trajectory.stats)
                for i, trajectory in enumerate(merged["responses"])]
     return dataclasses.replace(batch, uids=torch.as_tensor(merged["uids"], dtype=torch.long), samples=samples,
@@ -194,41 +194,130 @@ class RolloutAhead:
         self.depth, self.partial = depth, partial
         self._paused = False
 
-    def take(self, parts, prompts, params: SamplingParams, policy_version: int) -> RolloutBatch:
+    def take(self, rollout: Rollout, prompts, params: SamplingParams, policy_version: int) -> RolloutBatch:
         """The rollout of ``prompts``: the oldest one generating in the background, else generated now."""
         if not self._pending:
-            return generate(parts, prompts, params, policy_version)
+            return _finish(rollout, _start(rollout, prompts, params, policy_version))
         pending = self._pending.popleft()
         if pending.local_uids != prompts.prompt_uids.tolist():
             raise RuntimeError("the rollout generated ahead is not the batch the loop trains on next")
-        return _finish(parts, pending)
+        return _finish(rollout, pending)
 
-    def start(self, parts, prompts, params: SamplingParams, policy_version: int) -> None:
+    def start(self, rollout: Rollout, prompts, params: SamplingParams, policy_version: int) -> None:
         """Send ``prompts`` to the servers and return; collective (the prompts are gathered)."""
         if len(self._pending) >= self.depth:
             raise RuntimeError(f"{len(self._pending)} rollouts are already generating ahead "
                                f"(trainer.max_staleness={self.depth})")
-        self._pending.append(_start(parts, prompts, params, policy_version, background=True))
+        self._pending.append(_start(rollout, prompts, params, policy_version, background=True))
 
-    def before_push(self, parts) -> float:
+    def before_push(self, rollout: Rollout) -> float:
         """Make the servers idle for a weight push: wait for the batches in flight (the seconds
         waited; 0 off rank 0 or with nothing in flight) or, partial, pause them in place (0)."""
         running = [p.future for p in self._pending if p.future is not None and not p.future.done()]
         if not running:
             return 0.0
         if self.partial:
-            parts.engine.pause_generation("in_place")  # requests keep their KV cache and wait
+            rollout.engine.pause_generation("in_place")  # requests keep their KV cache and wait
             self._paused = True
             return 0.0
         start = time.perf_counter()
         concurrent.futures.wait(running)
         return time.perf_counter() - start
 
-    def after_push(self, parts) -> None:
+    def after_push(self, rollout: Rollout) -> None:
         """The generations paused for the push continue, with the new weights."""
         if self._paused:
-            parts.engine.continue_generation()
+            rollout.engine.continue_generation()
             self._paused = False
+
+
+class Rollout:
+    """The rollout side of the PPO loop, one object: where the engine runs (placement,
+    ``engine.trainer.rollout_placement``), what it holds between phases (``sleep`` gives a colocated
+    engine's memory to training, ``wake_and_sync`` takes it back in the order SGLang needs and pushes
+    the actor's weights), the version of the weights it serves, the batches generating ahead
+    (``trainer.max_staleness``), the servers that died and restarted, and the multi-turn agent. The
+    loop reads as slime's: ``next_batch``, ``sleep``, train, ``wake_and_sync``."""
+
+    def __init__(self, cfg: ExperimentConfig, run: RunDirectory, agent: Agent | None, pad_id: int,
+                 data_parallel_control_group: Any) -> None:
+        """Collective. A colocated engine starts now, on each generation replica's leader, before any
+        training model exists, and releases its memory (``engine.rollout.memory``)."""
+        arr = cfg.actor_rollout_ref
+        self.cfg, self.run, self.agent, self.pad_id = cfg, run, agent, pad_id
+        self.data_parallel_control_group = data_parallel_control_group  # the data-parallel ranks on gloo
+        self.disaggregated = arr.rollout.mode == "disaggregated"
+        self.sync_target = "stage" if self.disaggregated else (
+            "sharded" if arr.rollout.name == "sglang" and arr.rollout.weight_sync_target == "sharded" else "full")
+        self.ahead = RolloutAhead(cfg.trainer.max_staleness, partial=arr.rollout.partial_rollout)
+        self.server_restarts = 0  # every rank's, in this run (rollout.max_server_restarts)
+        self.weight_version = 0  # of the weights the engine serves: the step that trains from them
+        self.actor: Any = None
+        self.weight_sync: WeightSynchronizer | None = None
+        # Colocated: on generation-replica leaders. Disaggregated: the servers' owner on rank 0 (it also
+        # generates), and a weight-push handle on each pipeline stage's sender.
+        self.engine: RolloutEngine | None = None
+        if not self.disaggregated:
+            self.engine = start_colocated_engine(cfg, run, WeightSynchronizer.hybrid_layout(
+                arr.actor.megatron, arr.rollout, self.sync_target))
+
+    def connect(self, actor: Any) -> None:
+        """The weight sync from ``actor``'s model into the engine; servers of their own start now
+        (each pipeline stage's sender attaches to them). Collective."""
+        arr = self.cfg.actor_rollout_ref
+        self.actor = actor
+        self.weight_sync = WeightSynchronizer(actor.model_chunks, arr.actor.megatron, arr.rollout, target=self.sync_target)
+        if self.weight_sync.fallback_reason:
+            say(f"[trident] weight sync: full tensors on every generation GPU, not each GPU's shard "
+                f"(actor_rollout_ref.rollout.weight_sync_target=sharded): {self.weight_sync.fallback_reason}")
+        if self.disaggregated:
+            self.engine = start_disaggregated_servers(self.cfg, self.run, self.weight_sync.pushes_weights)
+
+    def generate(self, prompts, params: SamplingParams, policy_version: int = 0) -> RolloutBatch:
+        """Generate ``prompts`` (this data-parallel rank's ``PromptBatch``) now; collective."""
+        return _finish(self, _start(self, prompts, params, policy_version))
+
+    def next_batch(self, prompts, upcoming, params: SamplingParams, n: int, step: int) -> RolloutBatch:
+        """The rollout of ``prompts`` (``n`` samples each): the oldest batch generating ahead, else
+        generated now; ``upcoming`` batches start generating with the weights of ``step``."""
+        generated = self.ahead.take(self, prompts.repeat_interleave(n), params, policy_version=step)
+        for later in upcoming:
+            self.ahead.start(self, later.repeat_interleave(n), params, policy_version=step)
+        return generated
+
+    def sleep(self) -> None:
+        """A colocated engine releases its weights, KV cache and CUDA graphs for the training phases
+        (servers of their own keep theirs)."""
+        self._memory("release", MEMORY_TAGS)
+
+    def wake_and_sync(self, version: int) -> tuple[Any, float]:
+        """The actor's weights into the engine, as policy ``version`` (the step that trains from
+        them), in the order colocated memory allows: every rank hands its cached memory back, the
+        engine takes its weights' memory back, the push (the cache handed back after each bucket),
+        then the engine's KV cache and CUDA graphs. Servers generating ahead are first made idle
+        (waited for, or paused with partial rollouts) and go on after. Collective. Returns the
+        sync's report and the seconds waited for the servers."""
+        waited = self.ahead.before_push(self)
+        hand_back_cache("before the engine resumes")
+        self._memory("resume", (WEIGHTS,))
+        with self.actor.offloader.resident("params"):
+            report = self.weight_sync.sync(self.engine)
+        self.weight_version = version
+        if self.engine is not None:
+            self.engine.set_weight_version(version)  # the tokens sampled from now on carry it
+        self._memory("resume", (KV_CACHE, CUDA_GRAPH))
+        _restart_dead_servers(self)  # a server found dead by these calls starts again (resident) and gets the weights
+        self.ahead.after_push(self)
+        return report, waited
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    def _memory(self, action: str, tags) -> None:
+        if self.engine is not None and not self.disaggregated:
+            getattr(self.engine, f"{action}_memory")(tags)
+            record(action, tags=list(tags))
 
 
 def token_versions(responses: list[Trajectory], response_length: int) -> torch.Tensor | None:

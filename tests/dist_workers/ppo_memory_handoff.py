@@ -78,8 +78,8 @@ def main() -> None:
 
     def instrumented(cfg, run):
         parts = build(cfg, run)
-        watched["engine"] = parts.engine
-        watch(parts.engine, ["generate", "release_memory", "resume_memory", "begin_weight_update", "push_weights",
+        watched["engine"] = parts.rollout.engine
+        watch(parts.rollout.engine, ["generate", "release_memory", "resume_memory", "begin_weight_update", "push_weights",
                        "end_weight_update", "shutdown"], "engine.")
         watch(parts.actor, ["compute_old_log_probs", "update_policy"], "train.")
         watch(parts.reference, ["compute_ref_log_probs"], "train.")

@@ -31,11 +31,10 @@ def serving_components(cfg, run_dir: str):
     """The run's components, the engine serving the actor's weights (it starts released,
     ``engine/trainer/components.py``)."""
     from engine.trainer.components import build_components
-    from engine.trainer.ppo_trainer import hand_over_weights
     from engine.trainer.run_dir import RunDirectory
 
     parts = build_components(cfg, RunDirectory.create(run_dir))
-    hand_over_weights(parts, 1)
+    parts.rollout.wake_and_sync(1)
     return parts
 
 
@@ -85,14 +84,14 @@ def main() -> None:
         for name in registry.names("policy_loss"):
             cfg.actor_rollout_ref.actor.policy_loss.loss_mode = name
             run_step(parts, cfg, batches, f"policy_loss/{name}")
-        parts.engine.shutdown()
+        parts.rollout.engine.shutdown()
 
         cfg, parts, batches = build("grpo")  # no critic from here on
         for name in registry.names("adv_estimator"):
             if name != "gae":
                 cfg.algorithm.adv_estimator = name
                 run_step(parts, cfg, batches, f"adv_estimator/{name}")
-        parts.engine.shutdown()
+        parts.rollout.engine.shutdown()
     with open(out_file, "w") as handle:
         json.dump(results, handle)
 

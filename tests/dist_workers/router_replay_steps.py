@@ -40,7 +40,7 @@ def main() -> None:
     rows = []
     with demo_on_one_rank(overrides) as cfg:
         parts = serving_components(cfg, run_dir)
-        for router in (m for m in parts.engine.model.modules() if type(m).__name__.endswith("TopKRouter")):
+        for router in (m for m in parts.rollout.engine.model.modules() if type(m).__name__.endswith("TopKRouter")):
             router.register_forward_hook(swap_some_experts)
         batches = iter(parts.train_loader)
         for step in range(1, 5):
@@ -48,7 +48,7 @@ def main() -> None:
             metrics = ppo_iteration(cfg, parts, next(batches), step)
             rows.append({"step": step, "replay": step > 2, **{key: metrics[key] for key in (
                 "rollout/routed_experts_mismatch", "rollout/log_prob_abs_diff", "actor/pg_loss", "actor/grad_norm")}})
-        parts.engine.shutdown()
+        parts.rollout.engine.shutdown()
     with open(out_file, "w") as handle:
         json.dump(rows, handle)
 
