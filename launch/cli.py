@@ -51,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.yaml_path, args.overrides)
+        prepare_demo_models(cfg)
         check_inputs(cfg, data=True)
     except user_errors() as error:
         print(f"[trident] error: {error}", file=sys.stderr, flush=True)
@@ -61,6 +62,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     return launch(args, logs_dir=Path(cfg.trainer.default_local_dir) / "logs",
                   nnodes=args.nnodes or cfg.trainer.nnodes, nproc=args.nproc_per_node or cfg.trainer.n_gpus_per_node)
+
+
+def prepare_demo_models(cfg) -> None:
+    """The demo experiments' models are ours to build (``yaml/demo_cpu.yaml``, ``yaml/demo_tools_cpu.yaml``):
+    the folder the actor reads, if it is one of them, is built now when missing or stale (its recipe
+    hash), and reused at once otherwise."""
+    from launch import prepare_demo_model, prepare_demo_tools_model
+
+    builders = {prepare_demo_model.DEFAULT_DIR: prepare_demo_model.prepare_demo_model,
+                prepare_demo_tools_model.DEFAULT_DIR: prepare_demo_tools_model.prepare_demo_tools_model}
+    build = builders.get(Path(cfg.actor_rollout_ref.model.path).resolve())
+    if build is not None:
+        print(f"[trident] the demo model {cfg.actor_rollout_ref.model.path}: built once (a few minutes), then reused",
+              flush=True)
+        build()
 
 
 def launch(args: argparse.Namespace, *, logs_dir: Path, nnodes: int, nproc: int) -> int:

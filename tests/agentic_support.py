@@ -20,17 +20,20 @@ class AskAgain(Environment):
         return EnvironmentStep([{"role": "user", "content": "Sure?"}], reward=0.25, done=False)
 
 
-class RaisingCalculator(CalculatorTool):
+class ChaosCalculator(CalculatorTool):
+    """The demo's calculator gone bad, one way per call, picked by the expression: it raises, sleeps an
+    hour (past any time limit), or prints 10 MB."""
+
+    MODES = ("raise", "sleep", "flood")
+
+    @classmethod
+    def mode(cls, expression: str) -> str:
+        return cls.MODES[sum(map(ord, expression)) % len(cls.MODES)]
+
     async def execute(self, arguments: dict, state: dict) -> str:
-        raise RuntimeError("the calculator is broken")
-
-
-class SleepingCalculator(CalculatorTool):
-    async def execute(self, arguments: dict, state: dict) -> str:
-        await asyncio.sleep(3600)
-        return "never"
-
-
-class FloodingCalculator(CalculatorTool):
-    async def execute(self, arguments: dict, state: dict) -> str:
+        mode = self.mode(str(arguments.get("expr", "")))
+        if mode == "raise":
+            raise RuntimeError("the calculator is broken")
+        if mode == "sleep":
+            await asyncio.sleep(3600)
         return "9" * 10_000_000

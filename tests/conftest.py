@@ -22,6 +22,15 @@ def demo_model():
     return prepare_demo_model(REPO_ROOT / ".cache" / "models" / "demo-arith")
 
 
+@pytest.fixture(scope="session")
+def demo_tools_model(demo_model):
+    """The tools demo's model (the demo model warmed up to call a calculator) in .cache/models/demo-tools,
+    built once (~2 min, under a file lock) and reused, as `trident yaml/demo_tools_cpu.yaml` does."""
+    from launch.prepare_demo_tools_model import prepare_demo_tools_model
+
+    return prepare_demo_tools_model()
+
+
 # Wall seconds of the longest work units (an xdist group, or one test) in a fresh-clone `make test`
 # on the 2-core machine (pytest --durations=0, summed per unit); every other unit counts as 1 s.
 # Only the order of the suite depends on them: a stale number costs minutes at worst, never a result.

@@ -579,3 +579,22 @@ def test_the_seed_recipe_with_ulysses_passes_check(demo_model, capsys):
 
     assert launch.cli.main([str(DEMO), f"{ULYSSES}=2", "trainer.checkpoint.every_n_steps=5", "--check"]) == 0
     assert "usable" in capsys.readouterr().out
+
+
+def test_multi_turn_keys_are_refused_where_they_would_be_ignored_or_cannot_run(tmp_path):
+    key = "actor_rollout_ref.rollout.multi_turn"
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - class_name: engine.rollout.agentic.tools.CalculatorTool\n")
+    assert f"{key}.tool_config_path=" in error_of(DEMO, [f"{key}.tool_config_path={tools}"])
+    assert "with neither there is nothing to answer the model" in error_of(DEMO, [f"{key}.enable=true"])
+    on = [f"{key}.enable=true", f"{key}.tool_config_path={tools}"]
+    load_config(DEMO, on)
+    assert f"{key}.format='json'" in error_of(DEMO, [*on, f"{key}.format=json"])
+    assert "max_assistant_turns=0" in error_of(DEMO, [*on, f"{key}.max_assistant_turns=0"])
+    assert "moe_router_replay" in error_of(DEMO, [*on, "actor_rollout_ref.actor.megatron.moe_router_replay=true"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tools:\n  - class_name: engine.rollout.agentic.tools.Calculator\n")
+    message = error_of(DEMO, [f"{key}.enable=true", f"{key}.tool_config_path={bad}"])
+    assert str(bad) in message and "Calculator" in message
+    missing = tmp_path / "missing.yaml"
+    assert str(missing) in error_of(DEMO, [f"{key}.enable=true", f"{key}.interaction_config_path={missing}"])

@@ -13,7 +13,7 @@ import transformers
 from engine.config import load_config
 from engine.models.hf_config import architecture_from_hf
 import launch.rehearse
-from launch import prepare_smollm2_example
+from launch import prepare_demo_tools_model, prepare_smollm2_example
 from launch.plan import KNOWN_ARCHITECTURES
 from launch.rehearse import _generation_tp, plan_rehearsal, tiny_model_config, write_tiny_model
 from launch.rehearse import rehearse as plan_only
@@ -124,7 +124,8 @@ def test_missing_data_without_a_stand_in_is_a_config_error(tmp_path):
 
 
 # Experiments whose (small) prompt files a preparation command writes, as their headers say.
-EXAMPLE_DATA = {"yaml/smollm2-135m_chain_sum_cpu.yaml": prepare_smollm2_example.prepare_data}
+EXAMPLE_DATA = {"yaml/smollm2-135m_chain_sum_cpu.yaml": prepare_smollm2_example.prepare_data,
+                "yaml/demo_tools_cpu.yaml": prepare_demo_tools_model.prepare_demo_tools_model}
 # Rehearsal configs already run and passed, by their text with the run's own names and paths removed.
 _PASSED: dict[str, str] = {}
 
