@@ -29,7 +29,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from engine.models.char_tokenizer import (BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, VOCAB_SIZE,
                                           build_char_tokenizer)
@@ -168,23 +168,45 @@ def sft_pairs(data: DemoDataConfig, exclude_questions: set[str]) -> list[tuple[s
     return pairs
 
 
+def encode_sft_conversations(tokenizer: Any, conversations: list[list[dict]]):
+    """Token ids and labels (-100 outside the assistant turns) of each conversation rendered by the chat template.
+
+    Each assistant turn is trained on what the template writes for it past the generation prompt (its
+    content and ``<|im_end|>``); everything else (user and tool turns, the generation prompts) is
+    context. Every such piece is tokenized on its own, as a multi-turn rollout samples the assistant's
+    tokens and appends the other messages' tokens. Turns after the last assistant turn are dropped.
+    """
+    examples = []
+    for messages in conversations:
+        ids: list[int] = []
+        labels: list[int] = []
+        rendered = ""
+        for index, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = tokenizer.apply_chat_template(messages[:index], add_generation_prompt=True, tokenize=False)
+            full = tokenizer.apply_chat_template(messages[:index + 1], tokenize=False)
+            if not prompt.startswith(rendered) or not full.startswith(prompt):
+                raise ValueError(f"the chat template does not extend {rendered!r} into the generation prompt "
+                                 f"{prompt!r} and that into {full!r}")
+            context = tokenizer(prompt[len(rendered):], add_special_tokens=False)["input_ids"]
+            turn = tokenizer(full[len(prompt):], add_special_tokens=False)["input_ids"]
+            ids += context + turn
+            labels += [-100] * len(context) + turn
+            rendered = full
+        examples.append((ids, labels))
+    return examples
+
+
 def encode_sft_pairs(tokenizer: Any, pairs: list[tuple[str, str]]):
     """Token ids and labels (-100 outside the answer) of each pair rendered by the chat template.
 
     The conversation [user: question, assistant: answer] renders as the generation prompt followed by
     ``answer<|im_end|>``; only those answer tokens (and the end of turn) are trained.
     """
-    examples = []
-    for question, answer in pairs:
-        user = [{"role": "user", "content": question}]
-        prompt = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
-        full = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": answer}], tokenize=False)
-        if not full.startswith(prompt):
-            raise ValueError(f"the chat template does not extend the generation prompt {prompt!r} into {full!r}")
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        full_ids = tokenizer(full, add_special_tokens=False)["input_ids"]
-        examples.append((full_ids, [-100] * len(prompt_ids) + full_ids[len(prompt_ids):]))
-    return examples
+    return encode_sft_conversations(tokenizer, [[{"role": "user", "content": question},
+                                                 {"role": "assistant", "content": answer}]
+                                                for question, answer in pairs])
 
 
 def _collate(examples, pad_token_id: int):
@@ -268,13 +290,37 @@ def train_sft(recipe: DemoRecipe, tokenizer: Any, pairs: list[tuple[str, str]], 
     return model.eval(), step, evaluation
 
 
-def read_recipe_file(model_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The ``demo_recipe.json`` of a finished folder, or None when there is none (or it is unreadable)."""
-    path = Path(model_dir) / RECIPE_FILE
+def read_recipe_file(model_dir: str | os.PathLike, name: str = RECIPE_FILE) -> dict[str, Any] | None:
+    """The recipe file ``name`` of a finished folder, or None when there is none (or it is unreadable)."""
     try:
-        return json.loads(path.read_text())
+        return json.loads((Path(model_dir) / name).read_text())
     except (OSError, ValueError):
         return None
+
+
+def build_once(out_dir: Path, recipe_file: str, recipe_hash: str, force: bool,
+               build: Callable[[Path], dict[str, Any]]) -> tuple[dict[str, Any], bool]:
+    """The recorded recipe file of ``out_dir`` and whether it was built now: a folder whose
+    ``recipe_file`` holds ``recipe_hash`` is reused; anything else is built by ``build(staging)`` into a
+    staged folder (under a lock, so concurrent callers wait for one build) whose returned record is
+    written last, so a folder without it is an interrupted run."""
+    with exclusive_lock(out_dir):
+        recorded = read_recipe_file(out_dir, recipe_file)
+        if not force and recorded is not None and recorded.get("recipe_hash") == recipe_hash:
+            return recorded, False
+        with staged_folder(out_dir) as staging:
+            recorded = {"recipe_hash": recipe_hash, **build(staging)}
+            (staging / recipe_file).write_text(json.dumps(recorded, indent=2, sort_keys=True) + "\n")
+    return recorded, True
+
+
+def save_char_model(model: Any, tokenizer: Any, folder: Path) -> None:
+    """A model of the character tokenizer with its generation ids, as an HF folder."""
+    model.generation_config.pad_token_id = PAD_TOKEN_ID
+    model.generation_config.eos_token_id = EOS_TOKEN_ID
+    model.generation_config.bos_token_id = BOS_TOKEN_ID
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def _result_from_folder(model_dir: Path, recorded: dict[str, Any], trained: bool) -> DemoModelResult:
@@ -294,31 +340,23 @@ def prepare_demo_model(out_dir: str | os.PathLike = DEFAULT_DIR, recipe: DemoRec
         raise ValueError(f"sft.steps={recipe.sft.steps} must be >= 0, sft.batch_size={recipe.sft.batch_size} and "
                          f"sft.eval_interval={recipe.sft.eval_interval} > 0")
     out_dir = Path(out_dir).resolve()
-    recipe_hash = recipe.hash()
-    with exclusive_lock(out_dir):
-        recorded = read_recipe_file(out_dir)
-        if not force and recorded is not None and recorded.get("recipe_hash") == recipe_hash:
-            return _result_from_folder(out_dir, recorded, trained=False)
 
-        with staged_folder(out_dir) as staging:
-            started = time.monotonic()
-            train_file, val_file = generate_demo_data(recipe.data, staging / DATA_SUBDIR)
-            train_records, val_records = read_prompt_file(train_file), read_prompt_file(val_file)
-            tokenizer = build_char_tokenizer(model_max_length=recipe.model.max_position_embeddings)
-            parquet_questions = {record.messages[-1]["content"] for record in train_records + val_records}
-            pairs = sft_pairs(recipe.data, parquet_questions)
-            model, steps, evaluation = train_sft(recipe, tokenizer, pairs, val_records)
-            model.generation_config.pad_token_id = PAD_TOKEN_ID
-            model.generation_config.eos_token_id = EOS_TOKEN_ID
-            model.generation_config.bos_token_id = BOS_TOKEN_ID
-            model.save_pretrained(staging)
-            tokenizer.save_pretrained(staging)
-            recorded = {"recipe_hash": recipe_hash, "recipe": recipe.as_dict(), "sft_steps": steps,
-                        "sft_pairs": len(pairs), "val_accuracy": evaluation.accuracy,
-                        "val_mean_score": evaluation.mean_score, "build_seconds": round(time.monotonic() - started, 1)}
-            (staging / RECIPE_FILE).write_text(json.dumps(recorded, indent=2, sort_keys=True) + "\n")
-    logger.info("demo model in %s: %d SFT steps, greedy val accuracy %.3f", out_dir, steps, evaluation.accuracy)
-    return _result_from_folder(out_dir, recorded, trained=True)
+    def build(staging: Path) -> dict[str, Any]:
+        started = time.monotonic()
+        train_file, val_file = generate_demo_data(recipe.data, staging / DATA_SUBDIR)
+        train_records, val_records = read_prompt_file(train_file), read_prompt_file(val_file)
+        tokenizer = build_char_tokenizer(model_max_length=recipe.model.max_position_embeddings)
+        parquet_questions = {record.messages[-1]["content"] for record in train_records + val_records}
+        pairs = sft_pairs(recipe.data, parquet_questions)
+        model, steps, evaluation = train_sft(recipe, tokenizer, pairs, val_records)
+        save_char_model(model, tokenizer, staging)
+        logger.info("demo model in %s: %d SFT steps, greedy val accuracy %.3f", out_dir, steps, evaluation.accuracy)
+        return {"recipe": recipe.as_dict(), "sft_steps": steps, "sft_pairs": len(pairs),
+                "val_accuracy": evaluation.accuracy, "val_mean_score": evaluation.mean_score,
+                "build_seconds": round(time.monotonic() - started, 1)}
+
+    recorded, trained = build_once(out_dir, RECIPE_FILE, recipe.hash(), force, build)
+    return _result_from_folder(out_dir, recorded, trained=trained)
 
 
 def main(argv: list[str] | None = None) -> None:
