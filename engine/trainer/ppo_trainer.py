@@ -374,14 +374,17 @@ def validate(cfg: ExperimentConfig, parts: PPOComponents) -> dict[str, float]:
     """Scores of the validation responses: ``rollout.val_kwargs.n`` per prompt with its sampling
     (one greedy response by default). ``val/score/mean`` is the reward (all sources combined),
     ``val/reward_model/mean`` the reward model's score; ``val/accuracy`` counts responses whose rule
-    score is 1, and with n > 1 ``val/pass_at_<n>`` prompts with at least one (both need rule scores)."""
+    score is 1, and with n > 1 ``val/pass_at_<n>`` prompts with at least one (both need rule scores);
+    multi-turn runs add the trajectories' ``rollout/*`` metrics as ``val/*`` (``val/tool_calls/mean``)."""
     val = cfg.actor_rollout_ref.rollout.val_kwargs
     params = val.sampling_params(cfg.data.max_response_length)
     rewards: list[float] = []
     model_scores: list[float] = []
     per_prompt: list[list[float]] = []  # rule scores; each prompt's n responses are consecutive
+    trajectories = []
     for prompts in parts.val_loader:
         generated = parts.rollout.generate(prompts.repeat_interleave(val.n), params)
+        trajectories += [sample.trajectory for sample in generated.samples]
         scored = _score(parts, generated, cfg)
         scores, sources = scored.scores, scored.sources
         rewards += scores.tolist()
@@ -390,6 +393,8 @@ def validate(cfg: ExperimentConfig, parts: PPOComponents) -> dict[str, float]:
         if sources.rule is not None:
             per_prompt += [sources.rule[i:i + val.n].tolist() for i in range(0, len(sources.rule), val.n)]
     metrics = {"val/score/mean": float(sum(rewards) / max(len(rewards), 1))}
+    if parts.rollout.agent is not None:  # multi-turn: val/turns/mean, val/tool_calls/mean, ...
+        metrics.update({key.replace("rollout/", "val/"): value for key, value in trajectory_metrics(trajectories).items()})
     if model_scores:
         metrics["val/reward_model/mean"] = float(sum(model_scores) / len(model_scores))
     if per_prompt:
