@@ -35,6 +35,8 @@ def demo_tools_model(demo_model):
 # on the 2-core machine (pytest --durations=0, summed per unit); every other unit counts as 1 s.
 # Only the order of the suite depends on them: a stale number costs minutes at worst, never a result.
 UNIT_SECONDS = {
+    # builds the tools demo model (~2 min) for the other tools-demo tests, then 10 PPO steps
+    "tests/test_agentic_tools_run.py::test_ppo_teaches_the_tools_demo_to_call_the_calculator": 160,
     "tests/test_reward_model.py::test_ppo_on_the_reward_model_alone_raises_its_score_and_the_accuracy": 180,
     "tests.test_reshard_dist": 215,
     "rehearse:/models/Qwen2.5-72B-Instruct": 128,
