@@ -198,13 +198,13 @@ class _Scheduler:
             for reset in resets:
                 reset.result()
         self.ready.extend(runs)
-        report, finished = WaitReport(), lambda: sum(1 for kind, _ in self.waiting.values() if kind == "tools")
+        report = WaitReport()
         while self.ready or self.waiting:
             self._start_generating()
             done, _ = concurrent.futures.wait(self.waiting, timeout=1.0, return_when=concurrent.futures.FIRST_COMPLETED)
             if not done:
                 report.tick(lambda: f"trajectories: {len(runs)} in all, {self.generating} generation call(s) "
-                                    f"and {finished()} tool call group(s) in flight")
+                                    f"and {self._with_tools()} trajectories with their tools or environment")
             for future in [f for f in self.waiting if f in done]:  # in submission order
                 kind, payload = self.waiting.pop(future)
                 getattr(self, f"_after_{kind}")(future, payload)
@@ -212,18 +212,19 @@ class _Scheduler:
     def _start_generating(self) -> None:
         if self.barrier and self.waiting:
             return
-        if not self.engine.concurrent_requests and not self.generating:
+        if not self.engine.concurrent_requests and len(self.ready) < self._with_tools():
             # A batch engine's call costs about the same for few rows as for many: it waits until at
             # least as many trajectories are ready as are still with their tools.
-            with_tools = len(self.waiting)
-            if len(self.ready) < with_tools:
-                return
+            return
         while self.ready and (self.engine.concurrent_requests or not self.generating):
             group = [self.ready.popleft()] if self.engine.concurrent_requests else list(self.ready)
             if not self.engine.concurrent_requests:
                 self.ready.clear()
             self.generating += 1
             self.waiting[self.pool.submit(self._generate, group)] = ("generate", group)
+
+    def _with_tools(self) -> int:
+        return sum(1 for kind, _ in self.waiting.values() if kind != "generate")
 
     def _generate(self, group: list[_Running]) -> list[RolloutSample]:
         params = replace(self.params, max_new_tokens=max(run.room for run in group))
