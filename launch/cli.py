@@ -70,13 +70,16 @@ def prepare_demo_models(cfg) -> None:
     hash), and reused at once otherwise."""
     from launch import prepare_demo_model, prepare_demo_tools_model
 
-    builders = {prepare_demo_model.DEFAULT_DIR: prepare_demo_model.prepare_demo_model,
-                prepare_demo_tools_model.DEFAULT_DIR: prepare_demo_tools_model.prepare_demo_tools_model}
-    build = builders.get(Path(cfg.actor_rollout_ref.model.path).resolve())
-    if build is not None:
-        print(f"[trident] the demo model {cfg.actor_rollout_ref.model.path}: built once (a few minutes), then reused",
-              flush=True)
-        build()
+    builders = {prepare_demo_model.DEFAULT_DIR: (prepare_demo_model.prepare_demo_model, prepare_demo_model.RECIPE_FILE),
+                prepare_demo_tools_model.DEFAULT_DIR: (prepare_demo_tools_model.prepare_demo_tools_model,
+                                                       prepare_demo_tools_model.RECIPE_FILE)}
+    folder = Path(cfg.actor_rollout_ref.model.path).resolve()
+    if folder not in builders:
+        return
+    build, recipe_file = builders[folder]
+    if not (folder / recipe_file).exists():
+        print(f"[trident] building the demo model {cfg.actor_rollout_ref.model.path} (once, a few minutes)", flush=True)
+    build()
 
 
 def launch(args: argparse.Namespace, *, logs_dir: Path, nnodes: int, nproc: int) -> int:

@@ -177,11 +177,11 @@ def test_the_trainer_leaves_the_batch_alone_when_the_correction_is_off():
     old, rollout, mask = batch(2)
     rows, length = mask.shape
     plain = RolloutBatch(torch.ones(rows, length + 2, dtype=torch.long), torch.ones(rows, length + 2), mask,
-                         old_log_probs=old, advantages=torch.ones_like(old))
+                         old_log_probs=old, advantages=torch.ones_like(old), rollout_log_probs=rollout)
     metrics: dict = {}
-    assert _corrected_for_the_rollout_policy(plain, rollout, AlgorithmConfig(), metrics) is plain and not metrics
+    assert _corrected_for_the_rollout_policy(plain, AlgorithmConfig(), metrics) is plain and not metrics
     algo = AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(rollout_is="sequence"))
-    corrected = _corrected_for_the_rollout_policy(plain, rollout, algo, metrics)
+    corrected = _corrected_for_the_rollout_policy(plain, algo, metrics)
     assert "rollout_corr/kl_k3" in metrics
     expected = compute_rollout_correction(old, rollout, mask, algo.rollout_correction).weights
     assert torch.equal(corrected.advantages, expected) and torch.equal(corrected.old_log_probs, old)
@@ -189,4 +189,4 @@ def test_the_trainer_leaves_the_batch_alone_when_the_correction_is_off():
     strict = AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(rollout_rs="token", rollout_rs_threshold=1.0,
                                                                         rollout_rs_threshold_lower=1.0))
     with pytest.raises(ValueError, match="rejected every response token of the batch .*widen the bounds"):
-        _corrected_for_the_rollout_policy(plain, rollout, strict, {})
+        _corrected_for_the_rollout_policy(plain, strict, {})

@@ -112,9 +112,9 @@ def test_a_generation_paused_for_a_push_continues_with_the_new_weights_token_by_
     mask = torch.ones(4, length)
     advantages = torch.randn(4, length, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     batch = RolloutBatch(torch.zeros(4, length + 1, dtype=torch.long), torch.ones(4, length + 1, dtype=torch.long), mask,
-                         old_log_probs=trainer.float(), advantages=advantages.float())
+                         old_log_probs=trainer.float(), advantages=advantages.float(), rollout_log_probs=behaviour.float())
     algorithm = AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0))
-    corrected = _corrected_for_the_rollout_policy(batch, behaviour.float(), algorithm, {})
+    corrected = _corrected_for_the_rollout_policy(batch, algorithm, {})
     loss = compute_policy_loss(corrected.old_log_probs, trainer.float(), corrected.advantages, corrected.response_mask,
                                ActorConfig(), LossScale.from_response_masks([mask])).loss
     weights = torch.exp(trainer - behaviour).clamp(max=2.0)  # float64: TIS of each token, ratio 1 at the first step
