@@ -37,7 +37,6 @@ def demo_tools_model(demo_model):
 UNIT_SECONDS = {
     # builds the tools demo model (~2 min) for the other tools-demo tests, then 10 PPO steps
     "tests/test_agentic_tools_run.py::test_ppo_teaches_the_tools_demo_to_call_the_calculator": 160,
-    "ray_launcher": 160,  # the Ray launcher's tests and the off-policy partial-rollout run, on one worker
     "tests/test_reward_model.py::test_ppo_on_the_reward_model_alone_raises_its_score_and_the_accuracy": 180,
     "tests.test_reshard_dist": 215,
     "rehearse:/models/Qwen2.5-72B-Instruct": 128,
@@ -66,6 +65,9 @@ UNIT_SECONDS = {
     "tests/test_checkpoint_integrity.py::test_a_truncated_shard_in_the_latest_checkpoint": 50,
     "tests/test_hang_watchdog.py::test_a_stalled_rank_is_named_with_every_ranks_stacks_and_the_job_ends": 35,
     "tests/test_dynamic_sampling_run.py::test_dynamic_sampling_trains_full_batches_of_groups_with_a_spread_and_learns_sooner": 85,
+    "tests/test_disaggregated_rollout.py::test_two_steps_off_policy_with_partial_rollouts_learns": 58,
+    "tests/test_launch_ray.py::test_two_cpu_workers_run_the_same_program_and_a_failure_stops_the_job": 52,
+    "tests/test_launch_ray.py::test_rollout_servers_on_a_node_of_their_own": 49,
 }
 
 

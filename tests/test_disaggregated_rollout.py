@@ -147,9 +147,6 @@ def test_one_step_off_policy_trains_on_the_previous_weights_samples(demo_model, 
     assert all(row["rollout_corr/kl_k3"] > 1e-5 for row in rows[1:]), [row["rollout_corr/kl_k3"] for row in rows]
 
 
-# Twice (in two fresh-clone runs) this test's server got a SIGTERM from outside while the other xdist
-# worker ran tests/test_launch_ray.py; cause not found. Until it is, they share a worker, one after the other.
-@pytest.mark.xdist_group("ray_launcher")
 def test_two_steps_off_policy_with_partial_rollouts_learns(demo_model, tmp_path):
     """``trainer.max_staleness=2`` with partial rollouts: two batches generate ahead, so from step 3
     each step trains on samples of the weights two steps back (no token older, some newer where a

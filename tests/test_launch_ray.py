@@ -19,7 +19,6 @@ def local_ray():
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ray_launcher")  # see tests/test_disaggregated_rollout.py's off-policy test
 def test_two_cpu_workers_run_the_same_program_and_a_failure_stops_the_job(tmp_path, local_ray):
     out = tmp_path / "probe.json"
     config = RayLaunchConfig(program_args=("yaml/demo_cpu.yaml", f"out={out}", "a.b=1"), num_workers=2,
@@ -53,7 +52,6 @@ def test_two_cpu_workers_run_the_same_program_and_a_failure_stops_the_job(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ray_launcher")
 def test_rollout_servers_on_a_node_of_their_own(tmp_path, local_ray):
     """--rollout-nodes 1: a rollout-node actor starts launch.rollout_servers, the trainers attach to
     its server by address with the key the launcher generated (in no command line or log)."""

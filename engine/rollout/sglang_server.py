@@ -431,13 +431,24 @@ class SGLangServer:
         except requests.RequestException:
             return False
 
-    def _kill_group(self) -> None:
-        if self.process is None:
+    def _group_is_ours(self) -> bool:
+        """Whether the server's process group id still names its group. Once the launcher is reaped
+        its id is free: with pid_max at 32768 a busy machine hands it to another process within
+        minutes, and a session leader (another job's SGLang server) makes it that process's group.
+        While any process of ours holds the group id, the kernel gives it to no new process, so a
+        live process with that pid, our launcher being reaped, is someone else's."""
+        return self.process.poll() is None or not Path(f"/proc/{self.process.pid}").exists()
+
+    def _signal_group(self, signum: int) -> None:
+        if self.process is None or not self._group_is_ours():
             return
         try:
-            os.killpg(self.process.pid, signal.SIGKILL)
+            os.killpg(self.process.pid, signum)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def _kill_group(self) -> None:
+        self._signal_group(signal.SIGKILL)
 
     def stop(self, grace_s: float = 1.0, timeout_s: float = 15.0) -> None:
         """SIGTERM the process group, SIGKILL what is left after ``grace_s``; returns once nothing of
@@ -447,10 +458,7 @@ class SGLangServer:
         server serves nothing; the process group and its memory go either way."""
         if self.process is None:
             return
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-        except (ProcessLookupError, PermissionError):
-            pass
+        self._signal_group(signal.SIGTERM)
         try:
             self.process.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
@@ -459,12 +467,12 @@ class SGLangServer:
         # and return only once none of its processes runs any more.
         self._kill_group()
         deadline = time.monotonic() + timeout_s
-        while live_processes_in_group(self.process.pid) and time.monotonic() < deadline:
+        while self._group_is_ours() and live_processes_in_group(self.process.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         try:
             self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-        if not live_processes_in_group(self.process.pid):
+        if not self._group_is_ours() or not live_processes_in_group(self.process.pid):
             forget_process_group(self.process.pid)
         _LIVE_SERVERS.discard(self)
