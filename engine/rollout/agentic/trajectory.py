@@ -216,9 +216,12 @@ class _Scheduler:
             # A batch engine's call costs about the same for few rows as for many: it waits until at
             # least as many trajectories are ready as are still with their tools.
             return
-        while self.ready and (self.engine.concurrent_requests or not self.generating):
-            group = [self.ready.popleft()] if self.engine.concurrent_requests else list(self.ready)
-            if not self.engine.concurrent_requests:
+        # One request per turn where turns follow each other (an agent, a server); one call for all
+        # that are ready otherwise: a one-turn rollout is then the engine's own batch call.
+        one_by_one = self.engine.concurrent_requests and self.agent is not None
+        while self.ready and (one_by_one or not self.generating):
+            group = [self.ready.popleft()] if one_by_one else list(self.ready)
+            if not one_by_one:
                 self.ready.clear()
             self.generating += 1
             self.waiting[self.pool.submit(self._generate, group)] = ("generate", group)
