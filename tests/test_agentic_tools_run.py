@@ -84,16 +84,17 @@ def test_a_ppo_step_with_failing_tools_completes_and_counts_them(demo_tools_mode
 
 def test_ppo_teaches_the_tools_demo_to_call_the_calculator(demo_tools_model, tmp_path):
     """The first 10 steps of `trident yaml/demo_tools_cpu.yaml` (seed 1): greedy validation on 200
-    held-out products before and after. Measured (docs/examples.md, seeds 1/2/3): accuracy 0.26 ->
-    0.66/0.69/0.685 at step 10, greedy answers that call the calculator 0.335 -> 1.0/1.0/0.995, and
-    sampled calls per trajectory 0.24/0.18/0.20 at step 1 -> 0.54/0.57/0.63 over steps 8-10. We ask
-    for +0.2, +0.3 and +0.15 (the last 3 steps' mean over step 1)."""
+    held-out products before and after. Measured (docs/examples.md, seeds 1/2/3): accuracy 0.06 ->
+    0.265/0.23/0.235 at step 10 (0.23 for seed 1 in a fresh-clone CI: which trajectories share a batch
+    depends on when their tools answer), greedy answers that call the calculator 0.155 ->
+    0.985/0.99/0.975, and sampled calls per trajectory 0.21/0.20/0.20 at step 1 -> 0.58 (seed 1) over
+    steps 8-10. We ask for +0.1, +0.3 and +0.15 (the last 3 steps' mean over step 1)."""
     run_dir = tmp_path / "run"
     run_main_job("yaml/demo_tools_cpu.yaml", [f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=10",
                                               "trainer.test_freq=10", "trainer.save_freq=-1", "trainer.seed=1"])
     rows = read_metrics(run_dir)
     before, after = [row for row in rows if "val/accuracy" in row]
-    assert after["val/accuracy"] - before["val/accuracy"] >= 0.2, (before, after)
+    assert after["val/accuracy"] - before["val/accuracy"] >= 0.1, (before, after)
     assert after["val/tool_calls/mean"] - before["val/tool_calls/mean"] >= 0.3, (before, after)
     sampled = [row["rollout/tool_calls/mean"] for row in rows if "rollout/tool_calls/mean" in row]
     assert len(sampled) == 10 and sum(sampled[-3:]) / 3 > sampled[0] + 0.15, sampled
