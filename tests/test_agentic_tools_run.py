@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 from engine.config import RolloutConfig
 from engine.data import PromptDataset
 from engine.rollout.agentic.messages import MessageTokens
+from engine.rollout.agentic.parsing import parse_tool_calls
 from engine.rollout.agentic.tools import load_tools
 from engine.rollout.agentic.trajectory import Agent, TrajectoryTask, generate_trajectories
 from engine.rollout.base import SamplingParams
@@ -54,9 +55,10 @@ def test_a_raising_a_hanging_and_a_flooding_tool_each_give_the_model_a_message(d
         first = mask.index(0)  # the first appended message: the first call's result
         end = next((i for i in range(first, len(mask)) if mask[i]), len(mask))
         appended = tokenizer.decode(trajectory.token_ids[first:end], skip_special_tokens=True)
-        call = tokenizer.decode(trajectory.token_ids[:first], skip_special_tokens=True)
-        expression = call.split('"expr":"', 1)[1].split('"', 1)[0] if '"expr":"' in call else ""
-        mode = ChaosCalculator.mode(expression) if expression else None
+        # The first call as the rollout parsed it (the model may garble it: bad JSON, a wrong name or key)
+        calls = parse_tool_calls(tokenizer.decode(trajectory.token_ids[:first], skip_special_tokens=True))
+        ran = calls and calls[0].error is None and calls[0].name == "calc" and isinstance(calls[0].arguments, dict)
+        mode = ChaosCalculator.mode(str(calls[0].arguments.get("expr", ""))) if ran else None
         if mode is None:  # a call the model garbled: an error message of the parser's or the arguments'
             assert appended.startswith("Error"), appended
             continue

