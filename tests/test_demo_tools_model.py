@@ -121,12 +121,12 @@ def test_parquet_is_two_term_products_scored_by_the_rewards(tools_model):
 def test_a_rollout_of_the_warmed_up_model_holds_the_warmup_tokens(tools_model, tokenizer):
     """Sampled trajectories through the real rollout: each that called the tool and answered right is,
     token for token, the SFT encoding of its conversation, and its loss mask is the SFT's label mask."""
-    # 3 samples a prompt: about 1 in 30 samples calls the tool and copies its result right (measured)
+    repeats = 3  # samples a prompt: about 1 in 30 samples calls the tool and copies its result right (measured)
     evaluation = tools_demo.evaluate_with_tools(tools_model.model_dir, tools_model.val_file, temperature=1.0,
-                                                repeats=3)
+                                                repeats=repeats)
     from engine.data.schema import read_prompt_file
 
-    records = [record for record in read_prompt_file(tools_model.val_file) for _ in range(3)]
+    records = [record for record in read_prompt_file(tools_model.val_file) for _ in range(repeats)]
     compared = 0
     for record, trajectory, response in zip(records, evaluation.trajectories, evaluation.responses):
         if trajectory.stats.tool_calls != 1 or not response.endswith(record.ground_truth) \
