@@ -18,7 +18,14 @@ A forked rank is made to look and behave like torchrun's:
 - its title in ``ps``/``top`` is ``rank R/W: <the command torchrun would have run>`` (its
   ``/proc/<pid>/environ`` stays as it was);
 - its ``atexit`` hooks run when it ends (a multiprocessing child would skip them: they stop the
-  SGLang servers a rank started), and its exit status is the program's own.
+  SGLang servers a rank started), and its exit status is the program's own;
+- its environment is the agent's with torch's per-rank variables, and its output goes where the
+  agent's goes (unless torch redirects it: ``--log-dir``/``--tee``), whichever process started the
+  forkserver; ``/proc/<pid>/environ`` shows that environment (``engine.process_view``).
+
+Every agent on a node may share one forkserver (``start_shared_rank_forkserver``; a test session
+starts one per pytest worker): ``TRIDENT_RANK_FORKSERVER`` names it, and an agent whose environment
+differs from the forkserver's in a variable the import read starts its own, saying why.
 
 The forkserver must not initialise CUDA, or no rank forked from it could use the GPU:
 ``launch.rank_imports`` says what it imports and why that is safe, and checks it when done.
@@ -26,26 +33,67 @@ The forkserver must not initialise CUDA, or no rank forked from it could use the
 from __future__ import annotations
 
 import atexit
-import ctypes
+import json
 import multiprocessing
 import os
 import runpy
 import shlex
 import sys
+import time
 from collections.abc import Sequence
-from pathlib import Path
+from multiprocessing import forkserver, reduction, resource_tracker
+
+from engine.preload import describe_difference, environment_difference
+from engine.process_view import ROOM_BYTES, ROOM_ENV, set_title, show_environment
 
 PRELOAD_MODULE = "launch.rank_imports"
-PR_SET_NAME = 15  # prctl(2)
+# {"address": the forkserver's socket, "record": the file its import record is written to}
+SHARED_FORKSERVER_ENV = "TRIDENT_RANK_FORKSERVER"
+RECORD_WAIT_S = 300.0  # a shared forkserver still importing is waited for, not imported beside
 
 
-def run_rank(*command: str) -> None:
+class AgentSide:
+    """The agent's environment, standard output and error, taken when a rank is started (pickled
+    into the forkserver's request) and given to the rank (``take_the_agents_side``)."""
+
+    def __init__(self, environment: dict[str, str] | None = None, stdout=None, stderr=None) -> None:
+        self.environment, self.stdout, self.stderr = environment, stdout, stderr
+
+    def __reduce__(self):
+        # Pickled while multiprocessing starts the rank: DupFd sends the descriptors with the request.
+        return (_agent_side_in_rank, (dict(os.environ), reduction.DupFd(1), reduction.DupFd(2)))
+
+
+def _agent_side_in_rank(environment: dict[str, str], stdout, stderr) -> AgentSide:
+    return AgentSide(environment, stdout.detach(), stderr.detach())
+
+
+def take_the_agents_side(agent: AgentSide) -> None:
+    """In a forked rank: the environment torch's ``_wrap`` set on top of the forkserver's becomes
+    that on top of the agent's (and what the import set where the agent has nothing), and the
+    output the agent's, where torch did not redirect it."""
+    from launch import rank_imports
+
+    rank_variables = {name: value for name, value in os.environ.items()
+                      if rank_imports.environment_after_import.get(name) != value}
+    os.environ.clear()
+    os.environ.update({**rank_imports.record.set_by_import, **agent.environment, **rank_variables})
+    for fd, inherited in ((1, agent.stdout), (2, agent.stderr)):
+        if rank_imports.stdio_identity[fd] == (os.fstat(fd).st_dev, os.fstat(fd).st_ino):
+            (sys.stdout if fd == 1 else sys.stderr).flush()
+            os.dup2(inherited, fd)
+        os.close(inherited)
+    show_environment(os.environ)
+
+
+def run_rank(agent: AgentSide, *command: str) -> None:
     """One rank, in a process forked from the preloaded server: ``python -u [-m] target args``'s work.
 
     ``command`` is torchrun's interpreter arguments (``-u``, ``-m module`` or a script path, the
-    program's arguments); torch's ``_wrap`` has set this rank's environment already."""
+    program's arguments); torch's ``_wrap`` has set this rank's variables already."""
     os.setsid()
-    _set_title(f"rank {os.environ.get('RANK', '?')}/{os.environ.get('WORLD_SIZE', '?')}: "
+    take_the_agents_side(agent)
+    set_title(f"rank {os.environ.get('RANK', '?')}/{os.environ.get('WORLD_SIZE', '?')}: "
                f"{shlex.join([sys.executable, *command])}")
     arguments = list(command)
     if arguments and arguments[0] == "-u":  # unbuffered, as torchrun asks of the interpreter
@@ -69,21 +117,6 @@ def run_rank(*command: str) -> None:
             raise  # the exit status torchrun's agent reports; the hooks run below either way
     finally:
         atexit._run_exitfuncs()
-
-
-def _set_title(title: str) -> None:
-    """``ps``/``top`` show the rank instead of the forkserver's command line.
-
-    ``/proc/<pid>/cmdline`` is the memory the kernel recorded as the process's arguments
-    (``arg_start``..``arg_end``, fields 48-49 of ``/proc/self/stat``); the title overwrites it, cut
-    to its length and padded with NULs, and the first 15 bytes become the thread name (``comm``).
-    That is what setproctitle does, but its search for that memory walks back from the
-    environment, which torch's worker wrapper has moved by now. Python keeps its own copy of argv."""
-    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    start, end = int(fields[45]), int(fields[46])
-    text = title.encode()[: end - start - 1]
-    ctypes.memmove(start, text + b"\0" * (end - start - len(text)), end - start)
-    ctypes.CDLL(None).prctl(PR_SET_NAME, text[:15], 0, 0, 0)
 
 
 def run(argv: Sequence[str]) -> None:
@@ -111,8 +144,63 @@ def run(argv: Sequence[str]) -> None:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     config, _python, command = config_from_args(args)
     config.start_method = "forkserver"
-    multiprocessing.set_forkserver_preload([PRELOAD_MODULE])
-    elastic_launch(config, run_rank)(*command)
+    if SHARED_FORKSERVER_ENV in os.environ:
+        why_not = _use_shared_forkserver(json.loads(os.environ[SHARED_FORKSERVER_ENV]))
+        if why_not is not None:
+            print(f"[trident] this job's ranks are forked from a forkserver of its own: {why_not}",
+                  file=sys.stderr, flush=True)
+            _start_forkserver()
+    else:
+        _start_forkserver()
+    elastic_launch(config, run_rank)(AgentSide(), *command)
+
+
+def _start_forkserver(record_path: str | None = None) -> None:
+    """Start this process's forkserver now (it imports while the rendezvous runs), with room in its
+    environment for its ranks' (``engine.process_view``)."""
+    from launch.rank_imports import RECORD_ENV
+
+    added = {ROOM_ENV: " " * ROOM_BYTES, **({RECORD_ENV: record_path} if record_path else {})}
+    os.environ.update(added)
+    try:
+        multiprocessing.set_forkserver_preload([PRELOAD_MODULE])
+        forkserver.ensure_running()
+    finally:
+        for name in added:
+            del os.environ[name]
+
+
+def start_shared_rank_forkserver(folder: str) -> None:
+    """Start a forkserver in this process (which it lives as long as) that every ``launch.torchrun``
+    agent started from here with ``SHARED_FORKSERVER_ENV`` (set here) forks its ranks from."""
+    record_path = os.path.join(folder, "rank-forkserver-import.json")
+    _start_forkserver(record_path)
+    os.environ[SHARED_FORKSERVER_ENV] = json.dumps(
+        {"address": forkserver._forkserver._forkserver_address, "record": record_path})
+
+
+def _use_shared_forkserver(shared: dict[str, str]) -> str | None:
+    """Point multiprocessing at the ``shared`` forkserver (``SHARED_FORKSERVER_ENV``); None where it
+    serves this agent, otherwise why not."""
+    deadline = time.monotonic() + RECORD_WAIT_S
+    while not os.path.exists(shared["record"]):
+        if time.monotonic() > deadline or not os.path.exists(shared["address"]):
+            return f"the shared forkserver at {shared['address']} has not finished its import"
+        time.sleep(0.1)
+    with open(shared["record"]) as record_file:
+        imported = json.load(record_file)["environment"]
+    differing = environment_difference(imported, os.environ)
+    if differing:
+        return ("this job's environment differs from the shared forkserver's in "
+                + describe_difference(imported, os.environ, differing))
+    # multiprocessing's client keeps these three (Python 3.11, multiprocessing/forkserver.py,
+    # ForkServer.connect_to_new_process): the address, a descriptor handed on to each child as its own
+    # "alive" pipe, and ensure_running, which would wait on a forkserver that is not our child.
+    shared_server = forkserver._forkserver
+    shared_server._forkserver_address = shared["address"]
+    shared_server._forkserver_alive_fd = os.pipe()[1]
+    shared_server.ensure_running = resource_tracker.ensure_running
+    return None
 
 
 def main() -> None:

@@ -8,9 +8,44 @@ import os
 # a step many times over (jobs set it themselves too, as launch.cli does).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import importlib.util  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import pytest  # noqa: E402
 
 from tests.distributed import REPO_ROOT  # noqa: E402
+
+
+def pytest_configure(config):
+    """Each pytest process that runs tests (an xdist worker, or pytest without workers) starts two
+    forkservers, which import in the background while the first tests run: one that the ranks of
+    every ``launch.torchrun`` job its tests start are forked from, and one that every SGLang server
+    is (``engine.rollout.sglang_forkserver``). Each job or server whose environment differs in what
+    the import read starts as it would without them; tests of that path clear the variables."""
+    if getattr(config, "workerinput", None) is None and config.getoption("numprocesses", None):
+        return  # the xdist controller runs no test
+    from launch.torchrun import start_shared_rank_forkserver
+
+    folder = tempfile.mkdtemp(prefix="trident-test-forkservers-")
+    config.trident_forkservers = folder
+    start_shared_rank_forkserver(folder)
+    if importlib.util.find_spec("sglang") is not None:
+        from engine.config import RolloutConfig
+        from engine.rollout.sglang_forkserver import FORKSERVER_ENV, start_forkserver
+        from engine.rollout.sglang_server import SGLangServer, SGLangServerConfig
+
+        # A CPU server's environment (as tests start them: tests/rollout_support.py); the model is not read.
+        server = SGLangServer(SGLangServerConfig(model_path="any", log_path=os.devnull, rollout=RolloutConfig(name="sglang")))
+        socket_path = os.path.join(folder, "sglang-forkserver")
+        start_forkserver(socket_path, server.command()[1], log_path=os.path.join(folder, "sglang-forkserver.log"))
+        os.environ[FORKSERVER_ENV] = socket_path
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "trident_forkservers", None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

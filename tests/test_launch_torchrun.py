@@ -1,16 +1,19 @@
 """``launch.torchrun``: torchrun whose ranks are forked from one preloaded process, and look and end
 like torchrun's own ranks (a session of their own, the program's argv/sys.path, atexit hooks, the
-exit status), without importing torch and transformers again."""
+exit status), without importing torch and transformers again; from the agent's own forkserver, or
+from one its node shares (tests/conftest.py starts one per pytest process)."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
+from launch.torchrun import SHARED_FORKSERVER_ENV
 from parallel.state import find_free_port
 from tests.distributed import REPO_ROOT
 
@@ -25,8 +28,12 @@ rank = int(os.environ["RANK"])
 preloaded = sorted(m for m in ("launch.rank_imports", "torch", "transformers", "megatron.core") if m in sys.modules)
 import torch
 atexit.register(lambda: (out / f"atexit_{rank}").write_text("ran"))
+print(f"rank {rank} writes to the agent's output", flush=True)
+server_stat = Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()
 (out / f"rank_{rank}.json").write_text(json.dumps({
     "pid": os.getpid(), "ppid": os.getppid(), "leads_session": os.getsid(0) == os.getpid(),
+    "server_parent": int(server_stat[1]), "marker": os.environ.get("TRIDENT_TEST_AGENT"),
+    "environ_shows_marker": b"TRIDENT_TEST_AGENT=" in Path("/proc/self/environ").read_bytes(),
     "title": Path("/proc/self/cmdline").read_bytes().split(b"\0")[0].decode(),
     "argv": sys.argv, "path0": sys.path[0], "preloaded": preloaded, "main": __name__,
     "cuda_initialized": torch.cuda.is_initialized(), "world_size": os.environ["WORLD_SIZE"],
@@ -36,10 +43,13 @@ if rank == 1 and len(sys.argv) > 2:
 """
 
 
-def launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def launch(tmp_path: Path, *args: str, shared: bool = False, **variables: str) -> subprocess.CompletedProcess:
+    """The rank script on two ranks; ``shared``: forked by this pytest process's shared forkserver."""
     script = tmp_path / "rank_script.py"
     script.write_text(RANK_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **variables}
+    if not shared:
+        env.pop(SHARED_FORKSERVER_ENV, None)
     return subprocess.run([sys.executable, "-m", "launch.torchrun", "--nproc_per_node=2", "--master_addr=127.0.0.1",
                            f"--master_port={find_free_port()}", str(script), str(tmp_path), *args],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -51,9 +61,10 @@ def test_ranks_are_forked_from_one_preloaded_process_and_look_like_torchruns(tmp
     ranks = [json.loads((tmp_path / f"rank_{rank}.json").read_text()) for rank in range(2)]
     script = str(tmp_path / "rank_script.py")
     server = {rank["ppid"] for rank in ranks}
-    # One forkserver is the parent of both ranks, and it had imported torch, transformers and
-    # megatron-core (no GPU here) before forking them; it never touched CUDA.
+    # One forkserver, the agent's own, is the parent of both ranks, and it had imported torch,
+    # transformers and megatron-core (no GPU here) before forking them; it never touched CUDA.
     assert len(server) == 1 and server != {os.getpid()}
+    assert {rank["server_parent"] for rank in ranks} != {os.getpid()}  # not this process's shared one
     assert all(rank["preloaded"] == ["launch.rank_imports", "megatron.core", "torch", "transformers"] for rank in ranks)
     assert not any(rank["cuda_initialized"] for rank in ranks)
     for number, rank in enumerate(ranks):
@@ -62,6 +73,33 @@ def test_ranks_are_forked_from_one_preloaded_process_and_look_like_torchruns(tmp
         assert rank["argv"] == [script, str(tmp_path)] and rank["path0"] == str(tmp_path)
         assert rank["main"] == "__main__" and rank["world_size"] == "2"
         assert (tmp_path / f"atexit_{number}").read_text() == "ran"
+
+
+def test_a_shared_forkserver_forks_ranks_that_are_their_agents(tmp_path):
+    """Ranks forked by the forkserver this pytest process started have the agent's environment (in
+    ``os.environ`` and in ``/proc/<pid>/environ``, where tools find a job's processes) and write to
+    the agent's output, not the forkserver's."""
+    assert SHARED_FORKSERVER_ENV in os.environ  # tests/conftest.py
+    marker = uuid.uuid4().hex
+    result = launch(tmp_path, shared=True, TRIDENT_TEST_AGENT=marker)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "forkserver of its own" not in result.stderr
+    ranks = [json.loads((tmp_path / f"rank_{rank}.json").read_text()) for rank in range(2)]
+    assert {rank["server_parent"] for rank in ranks} == {os.getpid()}
+    assert all(rank["marker"] == marker and rank["environ_shows_marker"] for rank in ranks), ranks
+    assert all(rank["preloaded"] == ["launch.rank_imports", "megatron.core", "torch", "transformers"] for rank in ranks)
+    assert "rank 0 writes to the agent's output" in result.stdout and "rank 1 writes" in result.stdout
+
+
+def test_an_agent_whose_environment_the_import_read_differently_starts_its_own(tmp_path):
+    """``HF_HOME`` is read while transformers is imported: ranks that set it otherwise are not
+    forked from a process that imported transformers without it."""
+    result = launch(tmp_path, shared=True, HF_HOME=str(tmp_path / "hf"), TRIDENT_TEST_AGENT="x")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "forked from a forkserver of its own" in result.stderr and "HF_HOME" in result.stderr, result.stderr[-2000:]
+    ranks = [json.loads((tmp_path / f"rank_{rank}.json").read_text()) for rank in range(2)]
+    assert {rank["server_parent"] for rank in ranks} != {os.getpid()}
+    assert all(rank["marker"] == "x" for rank in ranks)
 
 
 def test_a_ranks_exit_status_is_the_jobs_and_its_atexit_hooks_run(tmp_path):

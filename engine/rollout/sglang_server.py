@@ -27,14 +27,14 @@ import requests
 
 from engine.config.actor_rollout_ref import RolloutConfig
 from engine.lifecycle import forget_process_group, watch_process_group
+from engine.preload import NVML_CHECK
 from engine.rollout.base import RolloutError
 from engine.rollout.sglang_cpu import adapt_server_for_cpu, needs_cpu_adaptation
+from engine.rollout.sglang_forkserver import SERVER_MODULE, prepare_own_forkserver, start_server_process
 from engine.rollout.sglang_presharded import LOADER as PRESHARDED_LOADER
 from engine.rollout.sglang_launch import API_KEY_ENV
 from parallel.state import find_free_port
 
-# `python -m` this module starts a server (and is what `ps` shows for one).
-SERVER_MODULE = "engine.rollout.sglang_launch"
 LOG_TAIL_LINES = 30
 # Starts on a fresh port after the chosen one was taken before the server bound it (see wait_until_ready).
 PORT_ATTEMPTS = 3
@@ -178,6 +178,7 @@ class SGLangServer:
         self.port = config.port or find_free_port(config.host)
         self.log_path = Path(config.log_path)
         self.process: subprocess.Popen | None = None
+        self._env: dict[str, str] = {}  # the environment of its last start
         self._log_offset = 0  # where this start's part of the (appended) log begins
         self._nccl_port: int | None = None  # drawn afresh by each ``command``
         # A server another process started and supervises (``attach``): only HTTP requests from here.
@@ -234,6 +235,9 @@ class SGLangServer:
             args.append("--trust-remote-code")
         env = dict(os.environ)
         env.pop(API_KEY_ENV, None)
+        # Whoever set it (engine.preload sets it only for the length of an import), the server's
+        # CUDA must be found by the CUDA runtime: NVML can see GPUs that CUDA cannot use.
+        env.pop(NVML_CHECK, None)
         env.setdefault("SGLANG_EXTERNAL_MODEL_PACKAGE", "engine.rollout.sglang_models")  # see that package
         if cfg.api_key:
             env[API_KEY_ENV] = cfg.api_key
@@ -267,9 +271,10 @@ class SGLangServer:
             self._log_offset = log.tell()
             log.write(f"[trident] {' '.join(args)}\n".encode())
             log.flush()
-            self.process = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
-            )
+            # Forked from a forkserver that has imported SGLang where one serves, else a process of
+            # its own; either way in a session of its own.
+            self.process = start_server_process(args, env, log)
+            self._env = env
         # Its own session (a job signal does not reach it half-way), so this rank's reaper must know it.
         watch_process_group(self.process.pid)
         _LIVE_SERVERS.add(self)
@@ -317,6 +322,8 @@ class SGLangServer:
             try:
                 if self._session().get(self.url + "/health", timeout=5).status_code == 200 and self._owns_port():
                     self._check_api_key()
+                    if not self.attached:
+                        prepare_own_forkserver(self._env)  # for restarts, once this one is up
                     return
                 refused_since = None
             except requests.ConnectionError as error:
