@@ -9,12 +9,14 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import importlib.util  # noqa: E402
+import json  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
 
 from tests.distributed import REPO_ROOT  # noqa: E402
+from tests.unit_seconds import RUN_RECORD, SHOWN, load_table, slowest  # noqa: E402
 
 
 def pytest_configure(config):
@@ -66,44 +68,11 @@ def demo_tools_model(demo_model):
     return prepare_demo_tools_model()
 
 
-# Wall seconds of the longest work units (an xdist group, or one test) in a fresh-clone `make test`
-# on the 2-core machine (pytest --durations=0, summed per unit); every other unit counts as 1 s.
+# Wall seconds of the longest work units in the last fresh-clone `make test` on the 2-core machine,
+# written by `python -m tests.unit_seconds` from that run's record; every other unit counts as 1 s.
 # Only the order of the suite depends on them: a stale number costs minutes at worst, never a result.
-UNIT_SECONDS = {
-    # builds the tools demo model (~2 min) for the other tools-demo tests, then 10 PPO steps
-    "tests/test_agentic_tools_run.py::test_ppo_teaches_the_tools_demo_to_call_the_calculator": 160,
-    "tests/test_reward_model.py::test_ppo_on_the_reward_model_alone_raises_its_score_and_the_accuracy": 180,
-    "tests.test_reshard_dist": 215,
-    "rehearse:/models/Qwen2.5-72B-Instruct": 128,
-    "tests.test_observability": 123,
-    "tests.test_benchmark_suite": 117,
-    "tests/test_ppo_end_to_end.py::test_lora_learns_and_resumes_exactly": 113,
-    "rehearse:/models/Meta-Llama-3-70B-Instruct": 112,
-    "tests/test_ppo_end_to_end.py::test_reward_rises": 98,
-    "rehearse:models/Qwen3-8B": 130,
-    "rehearse:models/Qwen2.5-7B-Instruct": 89,
-    "tests.test_roles": 125,
-    "tests/test_ppo_end_to_end.py::test_context_parallel_trains_like_cp1_and_resumes": 72,
-    "tests.test_context_parallel": 45,
-    "tests/test_ppo_end_to_end.py::test_a_cp2_checkpoint_with_lora_and_offload_resumes_at_cp1": 32,
-    "tests/test_disaggregated_rollout.py::test_pipeline_stages_push_their_own_weights_to_a_server_of_its_own": 73,
-    "tests/test_launch_two_nodes.py::test_two_node_rehearsal_matches_one_node": 73,
-    "rehearse:models/Qwen3-30B-A3B": 69,
-    "rehearse:models/Qwen2.5-0.5B-Instruct": 66,
-    "tests.test_lora": 64,
-    "tests/test_disaggregated_rollout.py::test_servers_on_a_node_of_their_own_serve_only_the_jobs_key": 63,
-    "tests/test_ppo_end_to_end.py::test_a_rank_lost_mid_run_restarts_the_job_which_resumes_exactly": 75,
-    "tests/test_ppo_end_to_end.py::test_moe_with_expert_parallelism_trains_like_ep1_and_resumes": 55,
-    "tests/test_failure_cleanup.py::test_a_killed_rank_leaves_no_process_behind": 50,
-    "tests/test_disaggregated_rollout.py::test_a_colocated_server_killed_mid_run_is_restarted_and_the_run_finishes": 63,
-    "tests.test_models_smollm2": 49,
-    "tests/test_checkpoint_integrity.py::test_a_truncated_shard_in_the_latest_checkpoint": 50,
-    "tests/test_hang_watchdog.py::test_a_stalled_rank_is_named_with_every_ranks_stacks_and_the_job_ends": 35,
-    "tests/test_dynamic_sampling_run.py::test_dynamic_sampling_trains_full_batches_of_groups_with_a_spread_and_learns_sooner": 85,
-    "tests/test_disaggregated_rollout.py::test_two_steps_off_policy_with_partial_rollouts_learns": 58,
-    "tests/test_launch_ray.py::test_two_cpu_workers_run_the_same_program_and_a_failure_stops_the_job": 52,
-    "tests/test_launch_ray.py::test_rollout_servers_on_a_node_of_their_own": 49,
-}
+UNIT_SECONDS = load_table()
+_RUN_SECONDS: dict[str, float] = {}  # this run's, per unit (in the process that reports: not a worker)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
@@ -128,7 +97,9 @@ def pytest_collection_modifyitems(config, items):
     units: dict[str, list] = {}
     for item in items:
         group = item.get_closest_marker("xdist_group")
-        units.setdefault(group.args[0] if group else item.nodeid, []).append(item)
+        unit = group.args[0] if group else item.nodeid
+        units.setdefault(unit, []).append(item)
+        item.user_properties.append(("work_unit", unit))  # reaches the reporting process with each report
     order = sorted(units, key=lambda unit: -UNIT_SECONDS.get(unit, 1))  # stable: ties keep the file order
     needs_demo = {unit: any("demo_model" in item.fixturenames for item in units[unit]) for unit in order}
     if len(order) > 2 and needs_demo[order[0]] and needs_demo[order[1]]:
@@ -137,3 +108,21 @@ def pytest_collection_modifyitems(config, items):
             order.remove(second)
             order.insert(1, second)
     items[:] = [item for unit in order for item in units[unit]]
+
+
+def pytest_runtest_logreport(report):
+    """Every phase of every test (the xdist controller gets its workers' reports)."""
+    unit = dict(report.user_properties).get("work_unit", report.nodeid)
+    _RUN_SECONDS[unit] = _RUN_SECONDS.get(unit, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The slowest units of this run, and all of them in ``RUN_RECORD`` (``python -m tests.unit_seconds``
+    makes that the order table)."""
+    if getattr(config, "workerinput", None) is not None or not _RUN_SECONDS:
+        return
+    RUN_RECORD.parent.mkdir(parents=True, exist_ok=True)
+    RUN_RECORD.write_text(json.dumps(dict(slowest(_RUN_SECONDS, len(_RUN_SECONDS))), indent=1) + "\n")
+    terminalreporter.write_sep("=", f"slowest {SHOWN} work units (all in {RUN_RECORD.relative_to(REPO_ROOT)})")
+    for unit, seconds in slowest(_RUN_SECONDS):
+        terminalreporter.write_line(f"{seconds:8.1f} s  {unit}")
