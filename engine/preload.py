@@ -35,8 +35,9 @@ NATIVE_PREFIXES = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "LD_", "MALLOC_
 # bar takes, asked again when one is drawn): they change no module's state.
 SHELL_VARIABLES = frozenset({"_", "PWD", "OLDPWD", "SHLVL", "COLUMNS", "LINES"})
 # Interpreter settings a forked process applies itself, as a fresh interpreter would: the search
-# path (it must keep every entry the import may have used) and unbuffered output.
-APPLIED_AFTER_FORK = frozenset({"PYTHONPATH", "PYTHONUNBUFFERED"})
+# path (it must keep every entry the import may have used) and unbuffered output; and one read only
+# when used, from the process's own environment (``breakpoint()``; Ray's driver sets it).
+APPLIED_AFTER_FORK = frozenset({"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONBREAKPOINT"})
 
 
 @dataclasses.dataclass

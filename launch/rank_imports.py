@@ -78,6 +78,9 @@ if _problem is not None:
 environment_after_import = dict(os.environ)
 stdio_identity = {fd: _identity(fd) for fd in (1, 2)}
 if _record_path:
-    with open(_record_path + ".part", "w") as part:
-        json.dump(dataclasses.asdict(record), part)
-    os.replace(_record_path + ".part", _record_path)  # whole, or not there
+    try:
+        with open(_record_path + ".part", "w") as part:
+            json.dump(dataclasses.asdict(record), part)
+        os.replace(_record_path + ".part", _record_path)  # whole, or not there
+    except FileNotFoundError:
+        pass  # its folder is gone: the process that shares this forkserver has ended

@@ -7,6 +7,9 @@ import os
 # cores, and every job a test starts inherits this; a second thread spinning on a busy core slows
 # a step many times over (jobs set it themselves too, as launch.cli does).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# What the jobs of tests set (tests/distributed.py: megatron's jit fuser would compile for ~16 s on
+# CPU), set for every process a test starts, so that the forkservers below import as those jobs would.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import importlib.util  # noqa: E402
 import json  # noqa: E402
@@ -19,14 +22,11 @@ from tests.distributed import REPO_ROOT  # noqa: E402
 from tests.unit_seconds import RUN_RECORD, SHOWN, load_table, slowest  # noqa: E402
 
 
-def pytest_configure(config):
-    """Each pytest process that runs tests (an xdist worker, or pytest without workers) starts two
-    forkservers, which import in the background while the first tests run: one that the ranks of
-    every ``launch.torchrun`` job its tests start are forked from, and one that every SGLang server
-    is (``engine.rollout.sglang_forkserver``). Each job or server whose environment differs in what
-    the import read starts as it would without them; tests of that path clear the variables."""
-    if getattr(config, "workerinput", None) is None and config.getoption("numprocesses", None):
-        return  # the xdist controller runs no test
+def start_forkservers(config) -> None:
+    """Start two forkservers in this pytest process, which import in the background while the first
+    tests run: one that the ranks of every ``launch.torchrun`` job its tests start are forked from,
+    and one that every SGLang server is (``engine.rollout.sglang_forkserver``). A job or server
+    whose environment differs in what the import read starts as it would without them."""
     from launch.torchrun import start_shared_rank_forkserver
 
     folder = tempfile.mkdtemp(prefix="trident-test-forkservers-")
@@ -108,6 +108,10 @@ def pytest_collection_modifyitems(config, items):
             order.remove(second)
             order.insert(1, second)
     items[:] = [item for unit in order for item in units[unit]]
+    # In a process that runs tests (an xdist worker, or pytest without workers) about to start jobs or servers.
+    runs_tests = getattr(config, "workerinput", None) is not None or not config.getoption("numprocesses", None)
+    if runs_tests and any(item.get_closest_marker("dist") or item.get_closest_marker("sglang") for item in items):
+        start_forkservers(config)
 
 
 def pytest_runtest_logreport(report):
@@ -123,6 +127,6 @@ def pytest_terminal_summary(terminalreporter, config):
         return
     RUN_RECORD.parent.mkdir(parents=True, exist_ok=True)
     RUN_RECORD.write_text(json.dumps(dict(slowest(_RUN_SECONDS, len(_RUN_SECONDS))), indent=1) + "\n")
-    terminalreporter.write_sep("=", f"slowest {SHOWN} work units (all in {RUN_RECORD.relative_to(REPO_ROOT)})")
+    terminalreporter.write_sep("=", f"slowest {SHOWN} work units (all in {os.path.relpath(RUN_RECORD)})")
     for unit, seconds in slowest(_RUN_SECONDS):
         terminalreporter.write_line(f"{seconds:8.1f} s  {unit}")

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from engine.rollout import SamplingParams, WeightUpdateError, sglang_server
+from engine.rollout.sglang_forkserver import ForkedServerProcess
 from engine.rollout.base import RolloutServerDied
 from engine.config import RolloutConfig
 from engine.rollout.sglang_server import (SGLangServer, SGLangServerConfig, SGLangServerCrashed, WaitReport,
@@ -183,6 +184,45 @@ def test_server_that_fails_to_start_is_reported_with_its_log(tiny, tmp_path):
     with pytest.raises(SGLangServerCrashed, match="bad.log") as error:
         server.wait_until_ready()
     assert "no-such-flag" in str(error.value)
+
+
+def _parent(pid: int) -> int:
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_server_forked_from_the_forkserver_is_the_program_it_would_have_been(tiny, tmp_path, monkeypatch):
+    """tests/conftest.py starts an SGLang forkserver per pytest process. A server forked from it has
+    its own session, command line and environment (where ``ps`` and tools that find a job's processes
+    by a variable look), serves, and its exit status comes back; a server whose environment differs
+    in what SGLang's import read starts as a process of its own, and its log says why."""
+    config = dict(model_path=str(tiny.path), rollout=RolloutConfig(name="sglang", gpu_memory_utilization=0.05,
+                                                                     dtype="float32", startup_timeout_s=300))
+    marker = f"TRIDENT_TEST_SERVER={os.getpid()}-{time.time()}"
+    monkeypatch.setenv(*marker.split("="))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    forked = SGLangServer(SGLangServerConfig(log_path=tmp_path / "forked.log", **config))
+    forked.start()
+    forked.wait_until_ready()
+    pid = forked.process.pid
+    assert isinstance(forked.process, ForkedServerProcess)
+    assert _parent(pid) not in (os.getpid(), 1) and os.getsid(pid) == pid
+    command = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+    assert command.startswith(f"{forked.config.python_executable} -m {sglang_server.SERVER_MODULE} --model-path {tiny.path}")
+    assert marker.encode() + b"\0" in open(f"/proc/{pid}/environ", "rb").read()
+    assert "forked from the SGLang forkserver" in forked.log_path.read_text()
+    assert forked.is_healthy()
+    forked.stop()
+    assert forked.process.returncode is not None and live_processes_in_group(pid) == []
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # read while SGLang imports transformers
+    plain = SGLangServer(SGLangServerConfig(log_path=tmp_path / "plain.log", **config))
+    plain.start()
+    try:
+        assert not isinstance(plain.process, ForkedServerProcess) and _parent(plain.process.pid) == os.getpid()
+        log = plain.log_path.read_text()
+        assert "[trident forkserver] started as a plain process" in log and "HF_HOME" in log, log[-2000:]
+    finally:
+        plain.stop()
 
 
 def test_a_server_whose_ports_were_taken_starts_on_others(engine, tiny, tmp_path, monkeypatch):

@@ -44,6 +44,7 @@ def test_tests_sharing_a_module_fixture_stay_on_one_worker(tmp_path):
     conftest = (REPO_ROOT / "tests" / "conftest.py").read_text()
     (suite / "conftest.py").write_text(f"{conftest}\nUNIT_SECONDS['tests/test_free.py::test_free[5]'] = 100\n")
     (suite / "distributed.py").write_text(f"REPO_ROOT = {str(REPO_ROOT)!r}\n")  # what conftest imports
+    (suite / "unit_seconds.py").write_text((REPO_ROOT / "tests" / "unit_seconds.py").read_text())
     (suite / "test_shared.py").write_text(SHARED)
     # A second group: xdist's own order (most tests first) would hand out the two groups first.
     (suite / "test_shared_too.py").write_text(SHARED.replace('"shared"', '"shared too"'))
@@ -64,6 +65,12 @@ def test_tests_sharing_a_module_fixture_stay_on_one_worker(tmp_path):
     assert len(free) == 2, rows  # the rest is spread over both workers
     longest = next(row for row in rows if (row["test"], row["index"]) == ("free", 5))
     assert next(row for row in rows if row["worker"] == longest["worker"]) == longest, rows  # handed out first
+    # The run's units, with their seconds, end its output and are kept for the order table.
+    summary = result.stdout.split("slowest 15 work units", 1)[1]
+    assert "tests.test_shared" in summary and "tests/test_free.py::test_free[5]" in summary
+    record = json.loads((suite.parent / ".cache" / "unit-seconds.json").read_text())
+    assert set(record) == {"tests.test_shared", "tests.test_shared_too", *(f"tests/test_free.py::test_free[{i}]" for i in range(6))}
+    assert 0.3 <= record["tests/test_free.py::test_free[0]"] < 5
 
 
 def _env() -> dict[str, str]:
