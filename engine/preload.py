@@ -137,13 +137,18 @@ def search_path_entries(search_path: str | None) -> list[str]:
     return [os.path.abspath(entry) for entry in (search_path or "").split(os.pathsep) if entry]
 
 
-def environment_difference(imported: Mapping[str, str | None], environment: Mapping[str, str]) -> list[str]:
+def environment_difference(imported: Mapping[str, str | None], environment: Mapping[str, str],
+                           set_by_import: Mapping[str, str] | None = None) -> list[str]:
     """The variables the import read whose value ``environment`` changes, and the native ones it
-    adds; ``APPLIED_AFTER_FORK`` are exempt, but for a PYTHONPATH that drops an entry of the import's."""
+    adds; ``APPLIED_AFTER_FORK`` are exempt, but for a PYTHONPATH that drops an entry of the import's.
+    A variable holding the value the import itself set it to (``set_by_import``: a process that has
+    run the same import has it) is no change."""
+    set_by_import = set_by_import or {}
     changed = [name for name, value in imported.items()
-               if name not in APPLIED_AFTER_FORK and environment.get(name) != value]
+               if name not in APPLIED_AFTER_FORK and environment.get(name) not in (value, set_by_import.get(name, value))]
     added = [name for name in environment
-             if name.startswith(NATIVE_PREFIXES) and name not in imported and name not in APPLIED_AFTER_FORK]
+             if name.startswith(NATIVE_PREFIXES) and name not in imported and name not in APPLIED_AFTER_FORK
+             and environment[name] != set_by_import.get(name)]
     dropped = set(search_path_entries(imported.get("PYTHONPATH"))) - set(search_path_entries(environment.get("PYTHONPATH")))
     return changed + added + (["PYTHONPATH"] if dropped else [])
 

@@ -188,8 +188,9 @@ def _use_shared_forkserver(shared: dict[str, str]) -> str | None:
             return f"the shared forkserver at {shared['address']} has not finished its import"
         time.sleep(0.1)
     with open(shared["record"]) as record_file:
-        imported = json.load(record_file)["environment"]
-    differing = environment_difference(imported, os.environ)
+        record = json.load(record_file)
+    imported = record["environment"]
+    differing = environment_difference(imported, os.environ, record["set_by_import"])
     if differing:
         return ("this job's environment differs from the shared forkserver's in "
                 + describe_difference(imported, os.environ, differing))

@@ -68,6 +68,19 @@ def demo_tools_model(demo_model):
     return prepare_demo_tools_model()
 
 
+@pytest.fixture(scope="session")
+def shared_tiny_sglang(tmp_path_factory):
+    """A real SGLang server serving the tiny Llama (tests/rollout_support.py), one per pytest process;
+    a test takes it through ``SharedServer.serve_tiny_weights``."""
+    from tests.rollout_support import SharedServer, build_tiny_model, start_cpu_sglang
+
+    tiny = build_tiny_model(tmp_path_factory.mktemp("shared_tiny_llama"))
+    engine = start_cpu_sglang(tiny.path, tmp_path_factory.mktemp("shared_sglang"),
+                              rollout={"weight_update_timeout_s": 60}, max_concurrent_requests=16)
+    yield SharedServer(engine, tiny)
+    engine.shutdown()
+
+
 # Wall seconds of the longest work units in the last fresh-clone `make test` on the 2-core machine,
 # written by `python -m tests.unit_seconds` from that run's record; every other unit counts as 1 s.
 # Only the order of the suite depends on them: a stale number costs minutes at worst, never a result.

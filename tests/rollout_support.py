@@ -5,6 +5,7 @@ import copy
 import dataclasses
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -103,3 +104,27 @@ def reference_log_probs(model, prompt: list[int], response: list[int], temperatu
     scale = 1.0 if temperature == 0 else temperature
     logits = teacher_forced_logits(model, prompt, response)
     return torch.log_softmax(logits / scale, dim=-1).gather(1, torch.tensor(response).view(-1, 1)).squeeze(1)
+
+
+@dataclasses.dataclass
+class SharedServer:
+    """One real SGLang server serving the tiny Llama, shared by the tests of a pytest process that
+    only need "a server serving this model" (``tests/conftest.py``, ``shared_tiny_sglang``). Tests
+    that kill, restart or configure a server start their own."""
+
+    engine: Any
+    tiny: TinyModel
+    last_version: int = 0
+
+    def serve_tiny_weights(self) -> Any:
+        """Push the tiny model's own weights (by tensor, as the engine starts) under a version of this
+        test's own, and check that the server samples with it: no test depends on another's pushes."""
+        self.engine.weight_transport = "tensor"
+        self.engine.update_weights(self.tiny.model.state_dict().items(), bucket_megabytes=1.0)
+        self.last_version += 1
+        self.engine.set_weight_version(self.last_version)
+        from engine.rollout import SamplingParams
+
+        (sample,), = self.engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=1, temperature=0.0))
+        assert sample.policy_versions == [self.last_version], (sample.policy_versions, self.last_version)
+        return self.engine

@@ -60,6 +60,13 @@ def test_an_environment_differs_where_the_import_read_it(environment, differing)
     assert environment_difference({"HF_HOME": "/a", "PATH": "/bin"}, environment) == differing
 
 
+def test_a_variable_at_the_value_the_import_sets_it_to_is_no_change():
+    """A process that has imported SGLang itself (a test process) has SGLang's cache variables set."""
+    imported, set_by_import = {"CUDA_CACHE_PATH": None}, {"CUDA_CACHE_PATH": "/cache/nv"}
+    assert environment_difference(imported, {"CUDA_CACHE_PATH": "/cache/nv"}, set_by_import) == []
+    assert environment_difference(imported, {"CUDA_CACHE_PATH": "/other"}, set_by_import) == ["CUDA_CACHE_PATH"]
+
+
 @pytest.mark.parametrize("search_path, differing", [
     ("/extra:/src", []),  # keeps the import's entry: a forked process puts /extra first itself
     ("/extra", ["PYTHONPATH"]),  # drops it: a module found there might not be found

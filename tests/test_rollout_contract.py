@@ -22,7 +22,7 @@ from tests.rollout_support import (
     build_tiny_model,
     random_llama,
     reference_log_probs,
-    start_cpu_sglang,
+    SharedServer,
     teacher_forced_logits,
 )
 
@@ -35,14 +35,26 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=["torch", "torch-process", pytest.param("sglang", marks=SGLANG_MARKS)])
-def engine(request, tiny, tmp_path_factory):
-    if request.param in ("torch", "torch-process"):
-        rollout = create_rollout_engine(RolloutConfig(name=request.param, dtype="float32"), str(tiny.path),
-                                        max_batch_size=8)
-    else:
-        rollout = start_cpu_sglang(tiny.path, tmp_path_factory.mktemp("sglang_run"), max_concurrent_requests=16)
+def started_engine(request, tiny):
+    """The torch engines start here; SGLang's is this pytest process's shared server."""
+    if request.param == "sglang":
+        yield request.getfixturevalue("shared_tiny_sglang")
+        return
+    rollout = create_rollout_engine(RolloutConfig(name=request.param, dtype="float32"), str(tiny.path),
+                                    max_batch_size=8)
     yield rollout
     rollout.shutdown()
+
+
+@pytest.fixture
+def engine(started_engine, tiny):
+    """The engine serving ``tiny``'s weights (the shared server's tiny Llama is built from the same
+    seed: the same weights), pushed afresh for each test on the shared SGLang server."""
+    if isinstance(started_engine, SharedServer):
+        assert all(torch.equal(a, b) for a, b in zip(started_engine.tiny.model.state_dict().values(),
+                                                       tiny.model.state_dict().values()))
+        return started_engine.serve_tiny_weights()
+    return started_engine
 
 
 def assert_log_probs_match(model, prompt, sample, temperature):

@@ -2,7 +2,8 @@
 that must not hang, and supervision (start-up failure, a crash mid-request and the restart, no
 leftover processes).
 
-ONE server for the module; the crash test kills it (twice), so it is the last test here.
+The tests share this pytest process's server (``shared_tiny_sglang``, each pushing the weights it
+needs); the crash test kills a server (twice), so it starts its own.
 """
 from __future__ import annotations
 
@@ -22,21 +23,19 @@ from engine.rollout.base import RolloutServerDied
 from engine.config import RolloutConfig
 from engine.rollout.sglang_server import (SGLangServer, SGLangServerConfig, SGLangServerCrashed, WaitReport,
                                           live_processes_in_group)
-from tests.rollout_support import PROMPTS, SGLANG_MARKS, build_tiny_model, start_cpu_sglang, random_llama, reference_log_probs, teacher_forced_logits
+from tests.rollout_support import PROMPTS, SGLANG_MARKS, start_cpu_sglang, random_llama, reference_log_probs, teacher_forced_logits
 
 pytestmark = SGLANG_MARKS
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
+@pytest.fixture
+def tiny(shared_tiny_sglang):
+    return shared_tiny_sglang.tiny
 
 
-@pytest.fixture(scope="module")
-def engine(tiny, tmp_path_factory):
-    rollout = start_cpu_sglang(tiny.path, tmp_path_factory.mktemp("sglang_run"), rollout={"weight_update_timeout_s": 60})
-    yield rollout
-    rollout.shutdown()
+@pytest.fixture
+def engine(shared_tiny_sglang):
+    return shared_tiny_sglang.serve_tiny_weights()
 
 
 def assert_serves(engine, model):
@@ -278,10 +277,19 @@ def _kill_during_a_long_generation(engine) -> Exception | None:
     return outcome.get("error")
 
 
-def test_a_server_killed_mid_request_restarts_and_serves_the_weights_pushed_after(engine, tiny):
+@pytest.fixture
+def own_engine(tiny, tmp_path):
+    """A server of the test's own, for a test that kills it."""
+    rollout = start_cpu_sglang(tiny.path, tmp_path, rollout={"weight_update_timeout_s": 60})
+    yield rollout
+    rollout.shutdown()
+
+
+def test_a_server_killed_mid_request_restarts_and_serves_the_weights_pushed_after(own_engine, tiny):
     """rollout.max_server_restarts (3 by default): the lost prompts are reported, the server starts
     again on its port, and once the current weights are pushed it serves them. With no restart left
     the crash stops the caller, naming the log, and no process is left."""
+    engine = own_engine
     server = engine.servers[0]
     first, port = server.process.pid, server.port
     error = _kill_during_a_long_generation(engine)

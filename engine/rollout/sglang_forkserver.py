@@ -152,7 +152,7 @@ class _Forkserver:
             return f"the server runs {request.get('python')}, the forkserver {sys.executable}"
         from engine.preload import describe_difference, environment_difference
 
-        differing = environment_difference(self.imported.environment, request["env"])
+        differing = environment_difference(self.imported.environment, request["env"], self.imported.set_by_import)
         if differing:
             return ("the server's environment differs from the one SGLang was imported with in "
                     + describe_difference(self.imported.environment, request["env"], differing))
