@@ -44,7 +44,8 @@ APPLIED_AFTER_FORK = frozenset({"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONBREAKPO
 class ImportRecord:
     """What ``watched_import`` saw: the environment the import depends on (name -> value before the
     import, None where unset), the variables the import itself set (a forked process sets them
-    again, as its own import would have), the entries into the CUDA runtime, and the threads left running."""
+    again, as its own import would have), the entries into the CUDA runtime, and the threads the
+    import started and left running."""
 
     environment: dict[str, str | None]
     set_by_import: dict[str, str]
@@ -96,6 +97,7 @@ def watched_import(load: Callable[[], None]) -> ImportRecord:
     variables: set[str] = set()
     cuda_entries: list[str] = []
     before = dict(os.environ)
+    threads_before = set(threading.enumerate())
     os.environ.setdefault(NVML_CHECK, "1")
     try:
         with _watching(variables, cuda_entries):
@@ -111,7 +113,7 @@ def watched_import(load: Callable[[], None]) -> ImportRecord:
     # ``redirect_third_party_caches``) where they are unset.
     set_by_import = {name: value for name, value in os.environ.items() if before.get(name) != value}
     names = (variables | {name for name in before if name.startswith(NATIVE_PREFIXES)}) - SHELL_VARIABLES
-    threads = [thread.name for thread in threading.enumerate() if thread is not threading.main_thread()]
+    threads = [thread.name for thread in threading.enumerate() if thread not in threads_before]
     return ImportRecord({name: before.get(name) for name in sorted(names - {NVML_CHECK})}, set_by_import,
                         cuda_entries, threads)
 

@@ -206,25 +206,28 @@ def test_lora_learns_and_resumes_exactly(demo_model, tmp_path):
     adapters alone each step (``rollout.lora_sync=adapters``: the embedded engine serves its base
     with PEFT's layers): the reward rises as in ``test_reward_rises``, each sync moves exactly the
     PEFT adapters, the actor's checkpoint holds the adapters and their optimizer state only, and a
-    fresh job resumed from the step-38 checkpoint logs steps 39 and 40 (and the validation at 40) as
-    the uninterrupted run did. Measured (trainer.seed 1), greedy validation at steps 0, 10, ..., 40:
-    adapters 0.405 0.505 0.495 0.525 0.555, merged weights (lora_sync=merged) 0.405 0.485 0.46 0.465
-    0.585; sampled score over steps 31-40 0.45 and 0.46 (0.30 and 0.20 at step 1); the rollout's
-    log-probs within 4.4e-7 of the trainer's; 0.31 MiB per sync (81,920 fp32 adapter elements);
-    actor checkpoint 1.1 MB against the critic's 11 MB (full weights + Adam)."""
+    fresh job resumed from the step-18 checkpoint logs steps 19 and 20 (and the validation at 20) as
+    the uninterrupted run did. Measured over 40 steps (trainer.seed 1), greedy validation at steps 0,
+    10, ..., 40: adapters 0.405 0.505 0.495 0.525 0.555, merged weights (lora_sync=merged) 0.405 0.485
+    0.46 0.465 0.585; sampled score over steps 31-40 0.45 and 0.46 (0.30 and 0.20 at step 1); the
+    rollout's log-probs within 4.4e-7 of the trainer's; 0.31 MiB per sync (81,920 fp32 adapter
+    elements); actor checkpoint 1.1 MB against the critic's 11 MB (full weights + Adam). The test
+    runs 20 steps (50 s alone on the 2-core machine): the rise is there by step 10 (0.405 -> 0.505
+    above), and a 20-step run from a demo model built at 0.545 measured 0.545 -> 0.665 -> 0.68 and a
+    sampled score of 0.33 at step 1 -> 0.41 over steps 11-20."""
     # With full activation recompute, as the 70B LoRA experiments run: megatron's checkpointed layers
     # pass gradients to the adapters only because the embedding output is made to require them.
     settings = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
                 "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.model.enable_gradient_checkpointing=true",
                 "actor_rollout_ref.rollout.lora_sync=adapters",
-                "trainer.total_training_steps=40", "trainer.save_freq=19", "trainer.test_freq=10"]
+                "trainer.total_training_steps=20", "trainer.save_freq=9", "trainer.test_freq=10"]
     run_dir, resumed = tmp_path / "run", tmp_path / "resumed"
     run_main([f"trainer.default_local_dir={run_dir}", *settings])
     rows = read_metrics(run_dir)
     scores = [r["critic/score/mean"] for r in rows if "critic/score/mean" in r]
     assert sum(scores[-10:]) / 10 - scores[0] > 0.05, scores
     accuracy = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
-    assert len(accuracy) == 5 and max(accuracy[1:]) - accuracy[0] >= 0.03, accuracy
+    assert len(accuracy) == 3 and max(accuracy[1:]) - accuracy[0] >= 0.03, accuracy
     assert max(r["rollout/log_prob_abs_diff"] for r in rows if "rollout/log_prob_abs_diff" in r) < 1e-4
     from engine.models.hf_config import architecture_from_hf, load_hf_config
     from engine.models.lora import LoRASettings
@@ -233,15 +236,15 @@ def test_lora_learns_and_resumes_exactly(demo_model, tmp_path):
     assert {r["perf/weight_sync_received_mb"] for r in rows if "perf/weight_sync_received_mb" in r} == {adapter_bytes / 2**20}
     assert (run_dir / "hf" / "actor_adapter" / "adapter_model.safetensors").is_file()
     assert (run_dir / "hf" / "actor" / "model.safetensors").is_file()
-    checkpoint = run_dir / "checkpoints" / "step_40"
+    checkpoint = run_dir / "checkpoints" / "step_20"
     size = {role: sum(f.stat().st_size for f in (checkpoint / role).rglob("*") if f.is_file()) for role in ("actor", "critic")}
     assert size["actor"] * 5 < size["critic"], size  # adapters (~70k parameters) vs the whole critic (0.9M)
 
     run_main([f"trainer.default_local_dir={resumed}", "trainer.resume_mode=resume_path",
-              f"trainer.resume_from_path={run_dir / 'checkpoints' / 'step_38'}", *settings])
-    a = [r for r in rows if r["step"] > 38]
+              f"trainer.resume_from_path={run_dir / 'checkpoints' / 'step_18'}", *settings])
+    a = [r for r in rows if r["step"] > 18]
     b = read_metrics(resumed)
-    assert [r["step"] for r in b] == [r["step"] for r in a] and {r["step"] for r in b} == {39, 40}
+    assert [r["step"] for r in b] == [r["step"] for r in a] and {r["step"] for r in b} == {19, 20}
     for row_a, row_b in zip(a, b):
         for key in ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/grad_norm", "critic/vf_loss",
                     "val/accuracy"):
