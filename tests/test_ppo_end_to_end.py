@@ -165,8 +165,11 @@ def test_context_parallel_trains_like_cp1_and_resumes(demo_model, tmp_path):
             # Differences of log-probs and clip fractions (a few 1e-3): compared absolutely; so are
             # means that are 0 but for round-off (whitened advantages: ~1e-8).
             small = key.split("/")[-1] in ("ppo_kl", "pg_clipfrac", "pg_clipfrac_lower", "log_prob_abs_diff")
-            assert row_b[key] == pytest.approx(value, rel=0 if small else 1e-4, abs=1e-5 if small else 1e-6), \
-                (row_a["step"], key)
+            # A gradient norm sums every parameter's squared gradient, in another order per layout:
+            # step 4's actor/grad_norm differed by 1.06e-4 relative (3.96303 vs 3.96261), the same in
+            # every run on 2026-12-07.
+            rel = 0 if small else 3e-4 if key.endswith("grad_norm") else 1e-4
+            assert row_b[key] == pytest.approx(value, rel=rel, abs=1e-5 if small else 1e-6), (row_a["step"], key)
             compared += 1
     assert compared > 100
 

@@ -201,16 +201,18 @@ def test_a_server_forked_from_the_forkserver_is_the_program_it_would_have_been(t
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     forked = SGLangServer(SGLangServerConfig(log_path=tmp_path / "forked.log", **config))
     forked.start()
-    forked.wait_until_ready()
-    pid = forked.process.pid
-    assert isinstance(forked.process, ForkedServerProcess)
-    assert _parent(pid) not in (os.getpid(), 1) and os.getsid(pid) == pid
-    command = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
-    assert command.startswith(f"{forked.config.python_executable} -m {sglang_server.SERVER_MODULE} --model-path {tiny.path}")
-    assert marker.encode() + b"\0" in open(f"/proc/{pid}/environ", "rb").read()
-    assert "forked from the SGLang forkserver" in forked.log_path.read_text()
-    assert forked.is_healthy()
-    forked.stop()
+    try:
+        forked.wait_until_ready()
+        pid = forked.process.pid
+        assert isinstance(forked.process, ForkedServerProcess), forked.log_path.read_text()[-2000:]
+        assert _parent(pid) not in (os.getpid(), 1) and os.getsid(pid) == pid
+        command = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+        assert command.startswith(f"{forked.config.python_executable} -m {sglang_server.SERVER_MODULE} --model-path {tiny.path}")
+        assert marker.encode() + b"\0" in open(f"/proc/{pid}/environ", "rb").read()
+        assert "forked from the SGLang forkserver" in forked.log_path.read_text()
+        assert forked.is_healthy()
+    finally:
+        forked.stop()
     assert forked.process.returncode is not None and live_processes_in_group(pid) == []
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # read while SGLang imports transformers
