@@ -27,8 +27,13 @@ def start_forkservers(config) -> None:
     tests run: one that the ranks of every ``launch.torchrun`` job its tests start are forked from,
     and one that every SGLang server is (``engine.rollout.sglang_forkserver``). A job or server
     whose environment differs in what the import read starts as it would without them."""
+    from engine.lifecycle import start_reaper
     from launch.torchrun import start_shared_rank_forkserver
 
+    # Servers forked from these live in sessions of their own, as any server does, and a session
+    # fixture's last the whole run: if this process is killed (xdist stopping a worker), the reaper
+    # ends every one it was told of (engine.lifecycle), as a rank's does.
+    start_reaper()
     folder = tempfile.mkdtemp(prefix="trident-test-forkservers-")
     config.trident_forkservers = folder
     start_shared_rank_forkserver(folder)
