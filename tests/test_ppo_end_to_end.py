@@ -36,6 +36,10 @@ def test_reward_rises(demo_model, tmp_path):
     in the first few steps, hence step 1 as the baseline. (At TP2 the same run takes 3.5x longer on
     2 cores; tensor parallelism is held to single-rank parity by the role tests and runs whole jobs
     in the rehearsals and the two-node test.)
+
+    It runs 40 steps, ~70 s on the 2-core machine, past the 60 s asked of a learning run: by the
+    numbers above, seed 1's validation is only +0.015 by step 20 (0.435, 0.455 at steps 10 and 20),
+    under the +0.03 asked.
     """
     run_dir = tmp_path / "run"
     run_main([f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=40", "trainer.save_freq=-1",
