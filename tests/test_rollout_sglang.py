@@ -185,6 +185,12 @@ def test_server_that_fails_to_start_is_reported_with_its_log(tiny, tmp_path):
     assert "no-such-flag" in str(error.value)
 
 
+def _poll_until_ended(process) -> int:
+    while process.poll() is None:
+        time.sleep(0.001)
+    return process.returncode
+
+
 def _parent(pid: int) -> int:
     return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
 
@@ -211,9 +217,18 @@ def test_a_server_forked_from_the_forkserver_is_the_program_it_would_have_been(t
         assert marker.encode() + b"\0" in open(f"/proc/{pid}/environ", "rb").read()
         assert "forked from the SGLang forkserver" in forked.log_path.read_text()
         assert forked.is_healthy()
+        # An engine polls from several threads: every one of them sees the status of the kill.
+        seen = []
+        pollers = [threading.Thread(target=lambda: seen.append(_poll_until_ended(forked.process))) for _ in range(4)]
+        for poller in pollers:
+            poller.start()
+        os.killpg(pid, signal.SIGKILL)
+        for poller in pollers:
+            poller.join(timeout=30)
+        assert seen == [-9] * 4 and forked.process.returncode == -9
     finally:
         forked.stop()
-    assert forked.process.returncode is not None and live_processes_in_group(pid) == []
+    assert live_processes_in_group(pid) == []
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # read while SGLang imports transformers
     plain = SGLangServer(SGLangServerConfig(log_path=tmp_path / "plain.log", **config))

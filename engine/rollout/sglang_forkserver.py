@@ -37,6 +37,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -279,14 +280,16 @@ class ForkedServerProcess:
     def __init__(self, connection: socket.socket, pid: int, args: list[str]) -> None:
         self.pid, self.args, self.returncode = pid, args, None
         self._connection, self._buffer = connection, b""
+        # An engine polls its servers from several threads (as Popen allows): one reads at a time, or
+        # a second could find the connection closed under it and take that for the forkserver's end.
+        self._reading = threading.Lock()
         try:
             self._pidfd: int | None = os.pidfd_open(pid)
         except OSError:  # already reaped (it exited at once), or pidfds unsupported
             self._pidfd = None
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            self._read(timeout=0.0)
+        self._read(timeout=0.0)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -299,6 +302,12 @@ class ForkedServerProcess:
         return self.returncode
 
     def _read(self, timeout: float) -> None:
+        # A waiter holds the lock for at most its 1 s slice; a poll waits that long at worst.
+        with self._reading:
+            if self.returncode is None:
+                self._read_once(timeout)
+
+    def _read_once(self, timeout: float) -> None:
         import select
 
         watched = [self._connection] if self._connection is not None else []
