@@ -47,9 +47,10 @@ demo: $(STAMP_BASE)
 	$(VENV)/bin/trident yaml/demo_cpu.yaml $(ARGS)
 
 # pytest exits 5 when it collected no test; make treats any non-zero exit as failure. Two xdist
-# workers: most tests wait on process start-up, servers and sockets, so two at once keep both cores
-# busy; tests sharing a module-scoped fixture stay on one worker, and the longest units go first
-# (tests/conftest.py; xdist would otherwise put the units with the most tests first).
+# workers keep both cores 91-95% busy (the worker counts measured: docs/testing.md); tests sharing a
+# module-scoped fixture stay on one worker, and the longest units go first (tests/conftest.py, from
+# tests/unit_seconds.json; xdist would otherwise put the units with the most tests first). The run
+# ends with its 15 slowest units (all of them in .cache/unit-seconds.json).
 test: $(STAMP_BASE) $(STAMP_SGLANG) $(STAMP_TRL)
 	$(PY) -m pytest tests -n 2 --dist loadgroup --no-loadscope-reorder
 
