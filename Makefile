@@ -50,9 +50,10 @@ demo: $(STAMP_BASE)
 # workers keep both cores 91-95% busy (the worker counts measured: docs/testing.md); tests sharing a
 # module-scoped fixture stay on one worker, and the longest units go first (tests/conftest.py, from
 # tests/unit_seconds.json; xdist would otherwise put the units with the most tests first). The run
-# ends with its 15 slowest units (all of them in .cache/unit-seconds.json).
+# ends with its 15 slowest units (all of them in .cache/unit-seconds.json). make test WORKERS=3 to compare.
+WORKERS ?= 2
 test: $(STAMP_BASE) $(STAMP_SGLANG) $(STAMP_TRL)
-	$(PY) -m pytest tests -n 2 --dist loadgroup --no-loadscope-reorder
+	$(PY) -m pytest tests -n $(WORKERS) --dist loadgroup --no-loadscope-reorder
 
 clean-venv:
 	rm -rf $(VENV)
