@@ -50,9 +50,11 @@ def test_tests_sharing_a_module_fixture_stay_on_one_worker(tmp_path):
     (suite / "test_shared_too.py").write_text(SHARED.replace('"shared"', '"shared too"'))
     (suite / "test_free.py").write_text(FREE)
     log = tmp_path / "log.jsonl"
-    # The Makefile's options, on the Makefile's own command line.
-    options = next(line for line in (REPO_ROOT / "Makefile").read_text().splitlines()
-                   if "-m pytest tests" in line).split("-m pytest tests", 1)[1].split()
+    # The Makefile's options, on the Makefile's own command line, with its default worker count.
+    makefile = (REPO_ROOT / "Makefile").read_text().splitlines()
+    workers = next(line.split("?=")[1].strip() for line in makefile if line.startswith("WORKERS ?="))
+    options = next(line for line in makefile if "-m pytest tests" in line).split("-m pytest tests", 1)[1]
+    options = options.replace("$(WORKERS)", workers).split()
     result = subprocess.run([sys.executable, "-m", "pytest", "tests", "-p", "no:cacheprovider", *options],
                             cwd=suite.parent, env={**_env(), "GROUPING_LOG": str(log)}, capture_output=True,
                             text=True, timeout=300)
