@@ -43,6 +43,12 @@ PORT_TAKEN = "address already in use"
 # An external server's address that refuses connections this long has no server behind it: the job
 # stops naming it instead of waiting out the start-up timeout (such servers are started ready).
 REFUSED_LIMIT_S = 60.0
+# /health polls while a server starts: a forked server answers ~4 s after its request, so a 1 s
+# poll kept a started server idle for half a second on average.
+READY_POLL_S = 0.25
+# How long a server we start keeps an idle HTTP connection open: longer than any gap between one
+# thread's requests (a step, a checkpoint, a validation), so no request meets a closing connection.
+KEEP_ALIVE_S = 24 * 3600
 # A wait on servers says on rank 0's terminal what it waits for once it has lasted this long, again
 # at each later mark, then every (last mark) seconds: 10 s, 30 s, 60 s, 120 s, 180 s ...
 WAIT_REPORT_MARKS_S = (10.0, 30.0, 60.0)
@@ -239,6 +245,10 @@ class SGLangServer:
         # CUDA must be found by the CUDA runtime: NVML can see GPUs that CUDA cannot use.
         env.pop(NVML_CHECK, None)
         env.setdefault("SGLANG_EXTERNAL_MODEL_PACKAGE", "engine.rollout.sglang_models")  # see that package
+        # SGLang's uvicorn closes a connection idle for 5 s (sglang/srt/environ.py); each calling
+        # thread keeps its connection between steps, and a request sent as uvicorn closes it fails
+        # with RemoteDisconnected or a reset (seen under load when a step outlasted 5 s).
+        env.setdefault("SGLANG_TIMEOUT_KEEP_ALIVE", str(KEEP_ALIVE_S))
         if cfg.api_key:
             env[API_KEY_ENV] = cfg.api_key
         if needs_cpu_adaptation():
@@ -334,7 +344,7 @@ class SGLangServer:
                                        f"({type(error).__name__}); is a server running there?") from None
             except requests.RequestException:
                 pass
-            time.sleep(1.0)
+            time.sleep(READY_POLL_S)
         self.stop()
         raise RolloutError(
             f"SGLang server at {self.url} was not ready after {self.config.rollout.startup_timeout_s:.0f}s "
@@ -457,12 +467,14 @@ class SGLangServer:
     def _kill_group(self) -> None:
         self._signal_group(signal.SIGKILL)
 
-    def stop(self, grace_s: float = 1.0, timeout_s: float = 15.0) -> None:
+    def stop(self, grace_s: float = 0.2, timeout_s: float = 15.0) -> None:
         """SIGTERM the process group, SIGKILL what is left after ``grace_s``; returns once nothing of
         it runs (at most ``timeout_s`` more). SGLang's own SIGTERM path never takes less than ~4 s
         (its exit watchdog polls every 5 s; a scheduler that ends first makes the launcher sleep 5 s
         before crash diagnostics: measured 5.2-5.8 s on an idle server), time in which a stopped
-        server serves nothing; the process group and its memory go either way."""
+        server serves nothing; the process group and its memory go either way. So the grace only
+        lets the launcher see the SIGTERM first; a longer one (1 s until 2026-12-07) was a second of
+        every job's end and every restart spent waiting."""
         if self.process is None:
             return
         self._signal_group(signal.SIGTERM)
