@@ -47,7 +47,7 @@ demo: $(STAMP_BASE)
 	$(VENV)/bin/trident yaml/demo_cpu.yaml $(ARGS)
 
 # pytest exits 5 when it collected no test; make treats any non-zero exit as failure. Two xdist
-# workers keep both cores 91-95% busy (the worker counts measured: docs/testing.md); tests sharing a
+# workers: the suite is CPU-bound, and three or four were no faster (docs/testing.md); tests sharing a
 # module-scoped fixture stay on one worker, and the longest units go first (tests/conftest.py, from
 # tests/unit_seconds.json; xdist would otherwise put the units with the most tests first). The run
 # ends with its 15 slowest units (all of them in .cache/unit-seconds.json). make test WORKERS=3 to compare.
