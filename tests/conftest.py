@@ -14,6 +14,8 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
@@ -84,6 +86,25 @@ def shared_tiny_sglang(tmp_path_factory):
                               rollout={"weight_update_timeout_s": 60}, max_concurrent_requests=16)
     yield SharedServer(engine, tiny)
     engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def shared_ray():
+    """The environment that joins a local Ray cluster of 2 CPUs, one per pytest process
+    (tests/shared_ray.py), for jobs whose reward pool would otherwise start and stop a private one
+    each: a test sets it in its jobs' environment; tests of a private cluster's own start keep theirs.
+    The cluster takes no token (``RAY_AUTH_MODE=disabled``): a second driver of a token cluster that
+    ``ray.init`` started does not find its token, and this one is this process's, on this machine."""
+    environment = {"RAY_AUTH_MODE": "disabled"}
+    head = subprocess.Popen([sys.executable, "-m", "tests.shared_ray", "2"], cwd=REPO_ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, **environment})
+    address = head.stdout.readline().strip()
+    if not address:
+        head.stdin.close()
+        raise RuntimeError(f"the shared Ray cluster did not start (exit status {head.wait(timeout=60)})")
+    yield {**environment, "RAY_ADDRESS": address}
+    head.stdin.close()  # the head stops its cluster (ray.shutdown) and exits
+    head.wait(timeout=60)
 
 
 # Wall seconds of the longest work units in the last fresh-clone `make test` on the 2-core machine,

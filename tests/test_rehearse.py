@@ -167,10 +167,12 @@ def marks(experiment: str) -> list:
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("experiment", [pytest.param(name, marks=marks(name)) for name in EXPERIMENTS])
-def test_every_experiment_rehearses(experiment, demo_model, tmp_path, monkeypatch, capsys):
+def test_every_experiment_rehearses(experiment, demo_model, tmp_path, monkeypatch, capsys, request):
     """Each file's rehearsal runs, unless an identical rehearsal already passed in this session: the
     8- and 16-node recipes of a model differ in sizes that the rehearsal caps (PP 8 vs 4, VPP 2 vs 5,
-    DP 1 vs 4 all become 2, 2, 1), so their rehearsal configs are byte-identical but for the name."""
+    DP 1 vs 4 all become 2, 2, 1), so their rehearsal configs are byte-identical but for the name.
+    A job with a Ray reward pool joins this worker's Ray cluster (``shared_ray``), as a job on a
+    cluster joins the one in ``RAY_ADDRESS``, instead of starting and stopping its own."""
     if experiment in EXAMPLE_DATA:  # prompts a user makes with one command before the run
         EXAMPLE_DATA[experiment]()
     # Planned in this process (the CLI's --dry-run, without a fresh interpreter's imports).
@@ -180,6 +182,9 @@ def test_every_experiment_rehearses(experiment, demo_model, tmp_path, monkeypatc
     if identity in _PASSED:
         print(f"{experiment}: the same rehearsal as {_PASSED[identity]}, which passed")
         return
+    if load_config(REPO_ROOT / experiment).reward_model.num_workers > 0:
+        for name, value in request.getfixturevalue("shared_ray").items():
+            monkeypatch.setenv(name, value)
     result = rehearse_in_this_process(experiment, tmp_path, capsys)
     log = tmp_path / "job.log"
     assert result.returncode == 0, (f"{result.stdout[-4000:]}\n{result.stderr[-6000:]}\n"
