@@ -1,6 +1,6 @@
 """Per-rank activation peak and step time of one long packed batch at context parallelism 1, 2 and 4.
 
-    python -m benchmarks.context_parallel --out DIR [--cp 1 2 4] [--comm all_gather a2a] [--tokens 4096]
+    python -m benchmarks.context_parallel --out DIR [--cp 1 2 4] [--comm a2a p2p] [--tokens 4096]
 
 One torchrun world per (CP, comm type), as many ranks as CP (data parallel 1), each running the actor's
 PPO update (``engine.roles.MegatronActor``) on the same batch: a tiny Llama from ``LlamaConfig`` and
@@ -16,6 +16,8 @@ sequences of ``--tokens`` tokens in all, packed into one micro-batch (THD rows).
 ``DIR/context_parallel.json`` holds every run and each one's ratio to CP1's activation peak;
 ``DIR/context_parallel.png`` plots them. On CPU the comm types run the stand-in for Transformer
 Engine's kernels (``parallel.context_parallel``); CP4 puts 4 ranks on however many cores there are.
+``--comm`` takes the comm types that run packed rows (``parallel.layout.PACKED_ROW_COMM_TYPES``):
+Transformer Engine's all_gather refuses them, and so does the stand-in.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.load_memory import reset_peak_rss, status_kib
+from parallel.layout import PACKED_ROW_COMM_TYPES
 from parallel.state import find_free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -146,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="results folder")
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--comm", nargs="+", default=["all_gather", "a2a"], help="cp_comm_type(s) for CP > 1")
+    parser.add_argument("--comm", nargs="+", default=["a2a"], choices=PACKED_ROW_COMM_TYPES,
+                        help="cp_comm_type(s) for CP > 1 (the batch is packed: p2p needs Transformer Engine)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens of the batch, all in one micro-batch")
     parser.add_argument("--sequences", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2, help="measured updates after one warm-up")
@@ -178,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
             num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads // 2,
             max_position_embeddings=args.tokens, tie_word_embeddings=False)).save_pretrained(hf_dir)
         for cp in args.cp:
-            for comm in (args.comm if cp > 1 else ["all_gather"]):
+            for comm in (args.comm if cp > 1 else ["a2a"]):  # (CP 1 runs megatron's own attention)
                 worker_out = Path(tmp) / f"cp{cp}_{comm}.json"
                 print(f"[context_parallel] CP{cp} {comm if cp > 1 else ''}...", flush=True)
                 command = [sys.executable, "-m", "launch.torchrun", f"--nproc_per_node={cp}", "--master_addr=127.0.0.1",

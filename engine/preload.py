@@ -27,7 +27,7 @@ import os
 import threading
 from typing import Callable, Iterator, Mapping, Sequence
 
-NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+from parallel.device import NVML_CHECK
 # Read by native libraries when they load (OpenMP, MKL, OpenBLAS, the dynamic loader, malloc) and
 # by the interpreter when it starts; no watch on ``os.environ`` sees those reads.
 NATIVE_PREFIXES = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "LD_", "MALLOC_", "PYTHON")

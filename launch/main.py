@@ -39,9 +39,10 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from engine.rewards.manager import RewardFunctionError
     from engine.rollout.base import RolloutError
     from engine.trainer.checkpoint import CheckpointError
+    from parallel.device import DeviceError
 
     return (ConfigError, PromptSchemaError, ModelCheckpointError, UnsupportedModelError, RewardFunctionError,
-            JudgeError, RolloutError, CheckpointError)
+            JudgeError, RolloutError, CheckpointError, DeviceError)
 
 
 def report_error(message: str) -> None:
@@ -93,13 +94,24 @@ def is_collective_timeout(error: BaseException) -> bool:
         re.search(r"Timed out waiting \d+ms|Timeout\(ms\)=\d+", str(error)))
 
 
+# NCCL settings every rank needs before its first communicator. SGLang sets NCCL_CUMEM_ENABLE=0 for
+# itself, and a rank that joins a server's weight-update group with cuMem buffers on can hang or
+# crash in the broadcast: slime sets it for every training actor (slime/ray/actor_group.py:65-67),
+# verl for every worker (verl/trainer/constants_ppo.py:27-31). A user's own value is kept, as slime does.
+RANK_NCCL_ENV = {"NCCL_CUMEM_ENABLE": "0"}
+
+
 def run(yaml_path: str, overrides: Sequence[str]) -> None:
     from engine.config import load_config
     from engine.config.validation import check_launch
     from engine.trainer.preflight import check_inputs
+    from parallel.device import decide
 
+    for name, value in RANK_NCCL_ENV.items():
+        os.environ.setdefault(name, value)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = load_config(yaml_path, overrides, world_size)
+    decide(cfg.trainer.device)  # before anything asks CUDA; the start banner prints it
     check_launch(cfg, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     check_inputs(cfg, data=False)  # the prompt files are read and checked while the components are built
     from engine.trainer.console import capture_output

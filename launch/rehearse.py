@@ -263,9 +263,9 @@ def plan_rehearsal(yaml_path: str, base_overrides: Sequence[str], config: Experi
                     "(a stage's TP x DP ranks / expert TP)")
     if layout["context_parallel_size"] > 1 and actor_megatron.cp_comm_type not in STAND_IN_COMM_TYPES:
         for prefix in (ACTOR_MEGATRON, CRITIC_MEGATRON):
-            changes.set(f"{prefix}.cp_comm_type", "all_gather",
+            changes.set(f"{prefix}.cp_comm_type", "a2a",
                         f"{actor_megatron.cp_comm_type} runs in Transformer Engine (GPU); the CPU's CP attention "
-                        "exchanges keys and values by all_gather")
+                        "exchanges by all-to-all (a2a), which takes packed rows as p2p does")
     rollout_tp = _generation_tp(arr.rollout.tensor_model_parallel_size, actor_megatron.tensor_model_parallel_size,
                                 tp, pp)
     changes.set("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout_tp,

@@ -59,6 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config_or_exit(args.yaml_path, [*args.overrides, "actor_rollout_ref.rollout.mode=disaggregated",
                                                "actor_rollout_ref.rollout.num_gpus=0",
                                                f"actor_rollout_ref.rollout.server_addresses=['{host}:1']"])
+    from parallel.device import DeviceError, decide
+
+    try:
+        print(f"[trident] {decide(cfg.trainer.device).banner()}", flush=True)
+    except DeviceError as error:
+        print(f"[trident] error: {error}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     count = args.servers if args.servers is not None else _servers_per_node(cfg)
     if count < 1:
         parser.error(f"--servers must be >= 1, got {count} (this node's GPUs hold none)")

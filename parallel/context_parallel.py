@@ -20,7 +20,8 @@ This module holds what a CP rank needs beside megatron's own code:
   megatron's ``cp_comm_type`` schedules:
 
   * ``all_gather``: keys and values are all-gathered over CP (their gradients reduce-scattered back);
-    each rank attends its own queries to every key;
+    each rank attends its own queries to every key. Padded rows only: TE's takes no packed rows
+    (``parallel.layout.PACKED_ROW_COMM_TYPES``), and neither does the stand-in;
   * ``a2a`` (DeepSpeed-Ulysses): an all-to-all trades the sequence split for a split of the heads,
     each rank attends its heads over the whole sequence, and a second all-to-all trades back.
 
@@ -33,7 +34,7 @@ import copy
 
 import torch
 
-from parallel.layout import CP_COMM_TYPES, STAND_IN_COMM_TYPES
+from parallel.layout import CP_COMM_TYPES, PACKED_ROW_COMM_TYPES, STAND_IN_COMM_TYPES
 
 
 
@@ -70,24 +71,21 @@ def gather_sequence(local: torch.Tensor, positions: list[torch.Tensor], group, d
     return gathered.index_select(0, order).movedim(0, dim)
 
 
-def additive_attention_mask(blocked: torch.Tensor, dtype: torch.dtype, rows: torch.Tensor | None = None,
-                            rows_key: object = None) -> torch.Tensor:
+def additive_attention_mask(blocked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """SDPA's additive form (0 where a query may attend, -inf where ``blocked``) of megatron's boolean
-    attention mask, for the query ``rows`` (all without), made once per mask and kept on it.
+    attention mask, made once per mask and kept on it.
 
     Given a boolean mask SDPA makes this float mask itself on every call, and autograd keeps each
     layer's copy for the backward pass: L x S^2 floats for one packed row. Made once (the model
-    passes one mask object to every layer), it is kept once. ``rows_key`` names ``rows``.
+    passes one mask object to every layer), it is kept once.
     """
     cache = getattr(blocked, "_additive_masks", None)
     if cache is None:
         cache = {}
         blocked._additive_masks = cache
-    key = (dtype, rows_key)
-    if key not in cache:
-        chosen = blocked if rows is None else blocked.index_select(2, rows)
-        cache[key] = torch.zeros(chosen.shape, dtype=dtype, device=chosen.device).masked_fill_(chosen, float("-inf"))
-    return cache[key]
+    if dtype not in cache:
+        cache[dtype] = torch.zeros(blocked.shape, dtype=dtype, device=blocked.device).masked_fill_(blocked, float("-inf"))
+    return cache[dtype]
 
 
 def _held_positions(local_length: int, group, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +137,7 @@ class ContextParallelAttention(torch.nn.Module):
             raise ValueError(
                 f"cp_comm_type=a2a splits the heads over context_parallel_size={cp_size}: each tensor-parallel "
                 f"rank's {self.heads} attention heads and {self.groups} key/value heads must divide by it "
-                "(use all_gather)"
+                "(use all_gather, with padded rows)"
             )
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
@@ -147,6 +145,11 @@ class ContextParallelAttention(torch.nn.Module):
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("the CP attention without Transformer Engine takes neither an attention bias nor "
                              "packed_seq_params (packed rows come with their block-causal mask)")
+        if attention_mask is not None and self.comm_type not in PACKED_ROW_COMM_TYPES:
+            # Only a packed row comes with a mask (its block-causal one); TE refuses such rows here.
+            raise ValueError(f"cp_comm_type={self.comm_type} takes no packed (THD) rows, as in Transformer Engine "
+                             f"(parallel.layout.PACKED_ROW_COMM_TYPES); use {' or '.join(PACKED_ROW_COMM_TYPES)}, "
+                             "or padded rows (use_remove_padding=false)")
         held, to_sequence_order = _held_positions(query.shape[0], self.cp_group, query.device)
         if self.comm_type == "all_gather":
             return self._all_gather(query, key, value, attention_mask, held, to_sequence_order)
@@ -166,12 +169,11 @@ class ContextParallelAttention(torch.nn.Module):
         # Every rank's keys and values, in sequence order; their gradients are summed back.
         key, value = (gather_from_sequence_parallel_region(t.contiguous(), group=self.cp_group)
                       .index_select(0, to_sequence_order) for t in (key, value))
-        if attention_mask is None:  # causal: key j is visible to the query at position p iff j <= p
-            keys = torch.arange(key.shape[0], device=query.device)
-            mask = torch.zeros((1, 1, len(held), len(keys)), dtype=query.dtype, device=query.device)
-            mask.masked_fill_((keys[None, :] > held[:, None])[None, None], float("-inf"))
-        else:  # this rank's rows of the whole row's mask, made once for every layer
-            mask = additive_attention_mask(attention_mask, query.dtype, held, ("cp", self.cp_group.rank(), len(held)))
+        # Causal over the whole sequence (padded rows only, see forward): key j is visible to the query
+        # at position p iff j <= p.
+        keys = torch.arange(key.shape[0], device=query.device)
+        mask = torch.zeros((1, 1, len(held), len(keys)), dtype=query.dtype, device=query.device)
+        mask.masked_fill_((keys[None, :] > held[:, None])[None, None], float("-inf"))
         context = self._attend(query, key, value, mask)
         return context.reshape(context.shape[0], context.shape[1], -1)
 

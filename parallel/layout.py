@@ -9,6 +9,10 @@ from dataclasses import dataclass, fields
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 # The ones parallel.context_parallel's stand-in for Transformer Engine's kernels runs.
 STAND_IN_COMM_TYPES = ("all_gather", "a2a")
+# The ones that take packed (THD) rows: TE 2.11's all-gather CP attention asserts qkv_format != "thd"
+# (AttnFuncWithCPAndKVAllGather.forward, attention/dot_product_attention/context_parallel.py:2842),
+# as its hierarchical a2a+p2p does (attn_forward_func_with_cp, :3990-3992); the stand-in refuses the same.
+PACKED_ROW_COMM_TYPES = ("p2p", "a2a")
 
 
 class LayoutError(ValueError):
@@ -37,7 +41,8 @@ class ParallelLayout:
             "p2p" (ring), "all_gather", "a2a" (DeepSpeed-Ulysses: all-to-all over heads; the heads and
             key/value heads of a TP rank must divide by CP) or "a2a+p2p" (a2a inside groups of up to
             8 ranks, p2p between them). Without Transformer Engine (CPU) only "all_gather" and "a2a"
-            run (``parallel.context_parallel``).
+            run (``parallel.context_parallel``). Packed rows (``use_remove_padding``) only under "p2p"
+            and "a2a": TE's "all_gather" and "a2a+p2p" refuse them.
         expert_model_parallel_size: ranks that split the experts of MoE layers (Qwen3-MoE,
             Mixtral) over the ranks of a pipeline stage; > 1 needs an MoE model (checked at start-up).
         expert_tensor_parallel_size: ranks that split each expert's matrices; null = the TP size

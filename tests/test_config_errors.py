@@ -323,8 +323,16 @@ def test_lora_target_modules_checked():
 
 
 def test_removed_keys_say_why():
-    message = error_of(DEMO, ["trainer.device=cpu"])
-    assert "'trainer.device'" in message and "does not exist here" in message and "CUDA is available" in message
+    message = error_of(DEMO, ["critic.model.tokenizer_path=x"])
+    assert "'critic.model.tokenizer_path'" in message and "does not exist here" in message
+    assert "scores the actor's token ids" in message
+
+
+def test_the_device_key_takes_verls_values_and_ours():
+    assert load_config(DEMO, ["trainer.device=cuda"]).trainer.device == "cuda"  # verl's default, carried over
+    assert load_config(DEMO, []).trainer.device == "auto"
+    message = error_of(DEMO, ["trainer.device=npu"])
+    assert "trainer.device='npu' is not a valid choice" in message and "auto, cuda, cpu" in message
 
 
 def test_disaggregated_rollout_settings():
@@ -562,7 +570,16 @@ def test_context_parallel_settings_the_model_or_machine_cannot_run_are_refused(m
     model = model_dir
     message = error_of(DEMO, [f"actor_rollout_ref.model.path={model}", f"{ULYSSES}=2"])
     assert COMM in message and "a2a" in message and "3 key/value heads" in message and ULYSSES in message
+    # (the demo's rows are padded: use_remove_padding false)
     assert load_config(DEMO, [f"actor_rollout_ref.model.path={model}", f"{CP}=2", f"{COMM}=all_gather"])
+    # Packed (THD) rows under all_gather: Transformer Engine 2.11 asserts qkv_format != "thd" there
+    # (context_parallel.py:2842), so every machine refuses it (issue 45, defect 2).
+    packed = ["actor_rollout_ref.model.use_remove_padding=true", "critic.model.use_remove_padding=true"]
+    message = error_of(DEMO, [f"actor_rollout_ref.model.path={model}", f"{CP}=2", f"{COMM}=all_gather", *packed])
+    assert f"{COMM}=all_gather with actor_rollout_ref.model.use_remove_padding=true" in message
+    assert "p2p or a2a" in message and "use_remove_padding=false" in message
+    message = error_of(DEMO, [f"actor_rollout_ref.model.path={model}", f"{CP}=2", f"{COMM}=all_gather", packed[1]])
+    assert "critic.megatron.cp_comm_type=all_gather with critic.model.use_remove_padding=true" in message
     # p2p and a2a+p2p run inside Transformer Engine's attention, which CPU machines lack.
     message = error_of(DEMO, [f"{CP}=2"])
     assert "cp_comm_type=p2p" in message and "Transformer Engine" in message and "all_gather or a2a" in message

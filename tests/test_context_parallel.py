@@ -2,7 +2,8 @@
 that stands in for Transformer Engine's kernels, and the models and roles run with it.
 
 - logits of tiny Llama, Qwen2, Qwen3 and Qwen3-MoE at CP2, CP2 x TP2 + SP and CP2 x PP2, left-aligned
-  (causal) and packed (block-causal), with both comm types the stand-in runs (a2a at TP2 on a Qwen3
+  (causal) and packed (block-causal; a2a only: all_gather refuses packed rows, as TE's does), with both
+  comm types the stand-in runs (a2a at TP2 on a Qwen3
   with 4 key/value heads: the others have 2, one per TP rank, which a2a cannot split), equal
   transformers';
 - the split itself against megatron's and Transformer Engine's definitions.
@@ -114,9 +115,20 @@ def test_logits_equal_transformers_under_context_parallelism(logits_results):
             # Each rank embedded half of every 16-token row (its two chunks), never the whole row.
             assert measured["embedded_row_lengths"] == [8], (family, layout, measured)
             assert measured["max_abs_logit_diff"] <= LOGIT_TOLERANCE, (family, layout, measured)
-            assert measured["packed_max_abs_logit_diff"] <= LOGIT_TOLERANCE, (family, layout, measured)
+            _check_packed(measured, layout, family)
     for layout in WIDE_KV_LAYOUTS:  # both comm types at CP2 x TP2 + SP
         measured = logits_results["qwen3_wide_kv"][layout]
         assert measured["embedded_row_lengths"] == [8] and measured["max_abs_logit_diff"] <= LOGIT_TOLERANCE, (layout, measured)
-        assert measured["packed_max_abs_logit_diff"] <= LOGIT_TOLERANCE, (layout, measured)
+        _check_packed(measured, layout, "qwen3_wide_kv")
     assert "cp_comm_type=a2a" in logits_results["a2a_refusal"] and "all_gather" in logits_results["a2a_refusal"]
+
+
+def _check_packed(measured: dict, layout: str, family: str) -> None:
+    """A packed row equals transformers' under a2a; all_gather refuses it, as Transformer Engine's
+    ``AttnFuncWithCPAndKVAllGather`` does (issue 45, defect 2: context_parallel.py:2842 in TE 2.11)."""
+    if layout.endswith(",a2a"):
+        assert measured["packed_max_abs_logit_diff"] <= LOGIT_TOLERANCE, (family, layout, measured)
+    else:
+        assert "packed_max_abs_logit_diff" not in measured, (family, layout, measured)
+        if layout.split(",")[1] == "1":  # PP 1 (under PP a refusing first stage would leave the next waiting)
+            assert "cp_comm_type=all_gather takes no packed (THD) rows" in measured["packed_refusal"], measured

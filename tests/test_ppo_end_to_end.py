@@ -179,7 +179,7 @@ def test_context_parallel_trains_like_cp1_and_resumes(demo_model, tmp_path):
 
 
 def test_a_cp2_checkpoint_with_lora_and_offload_resumes_at_cp1(demo_model, tmp_path):
-    """LoRA, the actor's weights and optimizer state offloaded and the critic's gradients, at CP2 (all_gather):
+    """LoRA, the actor's weights and optimizer state offloaded and the critic's gradients, at CP2 (a2a: packed rows):
     3 steps, saving at step 2. A job at CP1 (data parallel 2) resumed from that step-2 checkpoint
     (megatron's distributed checkpoint reshards across CP) logs the third step the CP2 job logged.
 
@@ -194,7 +194,7 @@ def test_a_cp2_checkpoint_with_lora_and_offload_resumes_at_cp1(demo_model, tmp_p
     cp2, cp1 = tmp_path / "cp2", tmp_path / "cp1"
     run_main([f"trainer.default_local_dir={cp2}", "trainer.total_training_steps=3", *common,
               "actor_rollout_ref.actor.megatron.context_parallel_size=2",
-              "actor_rollout_ref.actor.megatron.cp_comm_type=all_gather"])
+              "actor_rollout_ref.actor.megatron.cp_comm_type=a2a"])
     run_main([f"trainer.default_local_dir={cp1}", "trainer.total_training_steps=3", *common,
               "trainer.resume_mode=resume_path", f"trainer.resume_from_path={cp2 / 'checkpoints' / 'step_2'}"])
     straight = [r for r in read_metrics(cp2) if r.get("step") == 3 and "critic/score/mean" in r]

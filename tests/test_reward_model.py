@@ -20,9 +20,10 @@ OTHER_TEMPLATE = (
     "{%- endfor -%}"
     "<|im_end|>"
 )
-# DP2, TP2, PP2, TP2 with sequence parallelism, and context parallelism 2 (packed, then left-aligned:
-# the worker alternates) with each comm type of the CPU attention.
-LAYOUTS = ["1,1,0", "2,1,0", "1,2,0", "2,1,0,1", "1,1,0,0,1,0,2,all_gather", "1,1,0,0,1,0,2,a2a"]
+# DP2, TP2, PP2, TP2 with sequence parallelism, and context parallelism 2 with each comm type of the CPU
+# attention: packed under a2a, then left-aligned under all_gather (the worker alternates; all_gather takes
+# no packed rows, as in Transformer Engine).
+LAYOUTS = ["1,1,0", "2,1,0", "1,2,0", "2,1,0,1", "1,1,0,0,1,0,2,a2a", "1,1,0,0,1,0,2,all_gather"]
 
 
 def save_tiny_reward_models(root) -> list:

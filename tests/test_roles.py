@@ -89,14 +89,14 @@ def four_ranks(tiny_llama, tmp_path_factory):
 # TP2+SP x PP2 (the later stage's padding mask split over the SP ranks by the worker); whole experts
 # (expert TP 1, the 8th field) at TP2 + SP with EP2, and with EP4 over the TP and data-parallel ranks.
 MOE_REFERENCE = "1,1,0,0,0,0,1"
-# With context parallelism 2 (the 9th and 10th fields): EP2 (DP2), EP2 with whole experts at TP2 + SP, EP4
-# packed with the a2a exchange.
+# With context parallelism 2 (the 9th and 10th fields): EP2 (DP2), EP2 with whole experts at TP2 + SP (padded
+# rows: all_gather takes no packed ones, as in Transformer Engine), EP4 packed with the a2a exchange.
 MOE_LAYOUTS = ["1,1,0,0,0,0,2", "1,1,0,0,1,0,4", "2,1,0,1,0,0,2", "1,2,0,0,0,1,2", "2,2,0,1,0,0,1",
                "2,1,0,1,0,0,2,1", "2,1,0,1,1,0,4,1", "1,1,0,0,0,0,2,0,2,all_gather",
-               "2,1,0,1,1,0,2,1,2,all_gather", "1,1,0,0,1,0,4,0,2,a2a"]
+               "2,1,0,1,0,0,2,1,2,all_gather", "1,1,0,0,1,0,4,0,2,a2a"]
 # Layouts that cut the mini-batches into other micro-batches than the reference (dynamic batching; DP1
 # with 2 sequences per micro-batch): the per-micro-batch load-balancing loss differs there.
-MOE_OTHER_MICRO_BATCHES = {"1,2,0,0,0,1,2", "2,2,0,1,0,0,1", "2,1,0,1,1,0,2,1,2,all_gather"}
+MOE_OTHER_MICRO_BATCHES = {"1,2,0,0,0,1,2", "2,2,0,1,0,0,1", "2,1,0,1,0,0,2,1,2,all_gather"}
 
 
 def _relative_error(actual, expected) -> float:
@@ -153,9 +153,10 @@ def test_layouts_match_single_rank(single_rank, four_ranks):
 
 
 # tp,pp,vpp,sp,packing,dynamic,ep,etp,cp,cp_comm_type: context parallelism over 2 ranks (DP2), packed
-# with the a2a exchange, x TP2 + SP packed, x PP2 with dynamic micro-batches, x PP2 x VPP2 packed.
-CONTEXT_PARALLEL_LAYOUTS = ["1,1,0,0,0,0,1,0,2,all_gather", "1,1,0,0,1,0,1,0,2,a2a", "2,1,0,1,1,0,1,0,2,all_gather",
-                            "1,2,0,0,1,1,1,0,2,all_gather", "1,2,2,0,1,0,1,0,2,a2a"]
+# with the a2a exchange, x TP2 + SP, x PP2 packed with dynamic micro-batches, x PP2 x VPP2 packed. all_gather
+# runs padded rows only (Transformer Engine's takes no packed ones: parallel.layout.PACKED_ROW_COMM_TYPES).
+CONTEXT_PARALLEL_LAYOUTS = ["1,1,0,0,0,0,1,0,2,all_gather", "1,1,0,0,1,0,1,0,2,a2a", "2,1,0,1,0,0,1,0,2,all_gather",
+                            "1,2,0,0,1,1,1,0,2,a2a", "1,2,2,0,1,0,1,0,2,a2a"]
 
 
 @pytest.mark.dist

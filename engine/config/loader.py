@@ -46,8 +46,6 @@ RENAMED_KEYS = {
 }
 # Keys verl (or an older Trident) has and this schema does not, and why; naming one is an error that says so.
 REMOVED_KEYS = {
-    "trainer.device": "the device is chosen by the machine: each rank's GPU (LOCAL_RANK) when CUDA is "
-                      "available, else the CPU",
     "critic.model.tokenizer_path": "the critic scores the actor's token ids and has no tokenizer of its own",
     "critic.model.trust_remote_code": "the critic is built by megatron from config.json and runs no checkpoint code",
 }

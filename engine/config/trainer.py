@@ -50,6 +50,10 @@ class TrainerConfig:
     Attributes:
         project_name, experiment_name: name the run (printed at the start, and part of the default
             run directory).
+        device: "auto" (default): the GPUs where CUDA initialises, the CPU on a machine without an
+            NVIDIA driver, and a stop with the driver's and torch's CUDA versions where GPUs are
+            present but CUDA cannot use them (never a silent fall-back); "cuda": GPUs or stop; "cpu":
+            the CPU on purpose, on any machine (``parallel.device``). verl's key; printed at start.
         nnodes: machines in the job; the launch must match (``WORLD_SIZE`` = nnodes x n_gpus_per_node).
         n_gpus_per_node: ranks per machine, one GPU each (CPU processes on a machine without GPUs);
             the launch must match (``LOCAL_WORLD_SIZE``).
@@ -95,6 +99,7 @@ class TrainerConfig:
 
     project_name: str = "trident"
     experiment_name: str = "default"
+    device: str = "auto"
     nnodes: int = 1
     n_gpus_per_node: int = 8
     total_epochs: int = 1

@@ -26,6 +26,7 @@ from engine.config.experiment import ExperimentConfig
 from engine.config.model import LR_DECAY_STYLES, PARAM_DTYPES, MegatronConfig, OptimConfig
 from engine.config.reward_model import COMBINE_MODES
 from engine.config.trainer import LOGGER_EXTRAS, LOGGERS, PROFILE_TOOLS, RESUME_MODES
+from parallel.device import DEVICES
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ def validate(config: ExperimentConfig, world_size: int | None = None) -> None:
         _check_critic_batches(config, actor_dp)
     _check_reward_sources(config)
     _check_dapo(config)
+    _check_packed_rows_under_context_parallel(config)
 
 
 # ----------------------------------------------------------------------------- names
@@ -90,6 +92,7 @@ def _check_choices(config: ExperimentConfig) -> None:
         ("reward_model.combine.mode", config.reward_model.combine.mode, COMBINE_MODES),
         ("reward_model.judge.model.dtype", config.reward_model.judge.model.dtype, ROLLOUT_DTYPES),
         ("trainer.resume_mode", trainer.resume_mode, RESUME_MODES),
+        ("trainer.device", trainer.device, DEVICES),
         ("trainer.profile.tool", trainer.profile.tool, PROFILE_TOOLS),
     ]
     choices += [(f"trainer.logger[{i}]", name, LOGGERS) for i, name in enumerate(trainer.logger)]
@@ -419,8 +422,32 @@ def _check_context_parallel(megatron_key: str, megatron: MegatronConfig, heads_p
         raise ConfigError(
             f"{setting} (also what {ULYSSES_KEY} sets): the all-to-all splits each tensor-parallel rank's "
             f"{heads_per_tp_rank} attention heads and {kv_heads_per_tp_rank} key/value heads (from {source}) over "
-            f"the CP ranks, so both must divide by {cp}; use cp_comm_type=all_gather (or p2p with Transformer Engine), "
-            "or a smaller CP.")
+            f"the CP ranks, so both must divide by {cp}; use cp_comm_type=p2p (Transformer Engine), all_gather with "
+            "use_remove_padding=false (all_gather takes no packed rows), or a smaller CP.")
+
+
+def _check_packed_rows_under_context_parallel(config: ExperimentConfig) -> None:
+    """Packed (THD) rows only where the CP exchange takes them (``PACKED_ROW_COMM_TYPES``), on any
+    machine: the CPU stand-in refuses what Transformer Engine refuses, so a CPU run cannot pass a
+    layout that fails on the GPU."""
+    from parallel.layout import PACKED_ROW_COMM_TYPES
+
+    built = config.built_models()
+    roles = [(f"{ACTOR}.megatron", config.actor_rollout_ref.actor.megatron, "actor_rollout_ref.model.use_remove_padding",
+              config.actor_rollout_ref.model.use_remove_padding)]
+    if built.critic:
+        roles.append(("critic.megatron", config.critic.megatron, "critic.model.use_remove_padding",
+                      config.critic.model.use_remove_padding))
+    if built.reward_model:
+        roles.append(("reward_model.megatron", config.reward_model.megatron, "reward_model.model.use_remove_padding",
+                      config.reward_model.model.use_remove_padding))
+    for megatron_key, megatron, packing_key, packed in roles:
+        comm = megatron.cp_comm_type
+        if megatron.context_parallel_size > 1 and packed and comm not in PACKED_ROW_COMM_TYPES:
+            raise ConfigError(
+                f"{megatron_key}.cp_comm_type={comm} with {packing_key}=true: Transformer Engine's {comm} "
+                f"context-parallel attention does not take packed (THD) rows; use cp_comm_type="
+                f"{' or '.join(PACKED_ROW_COMM_TYPES)}, or {packing_key}=false (padded rows).")
 
 
 def _check_rollout(config: ExperimentConfig, training_world: int) -> None:

@@ -43,6 +43,7 @@ from engine.trainer.profiling import StepProfiler
 from engine.trainer.dynamic_sampling import ScoredRollout, fill_with_groups_with_spread
 from engine.trainer.run_dir import RunDirectory
 from engine.trainer.tracking import Tracker, phase, step_peak_memory
+from parallel.device import decide as decide_device
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
     if rank == 0:
         run.write_config(cfg)
     say(f"[trident] {trainer.project_name}/{trainer.experiment_name}: {run.summary()}")
+    say(f"[trident] {decide_device(trainer.device).banner()}")  # decided by launch.main, before CUDA was asked
     profiler = StepProfiler(trainer.profile, rank, run.profile_dir)
     parts = build_components(cfg, run)
     with parts.trained_models_resident():

@@ -4,7 +4,8 @@ For each HF folder and each layout (models_parity's ``tp,pp,vpp,sp,ep,etp,cp,com
 - a left-aligned batch (plain causal attention) through ``engine.models.forward.forward_only``, each CP
   rank running its load-balanced chunks, against transformers' logits of the same rows;
 - a packed row of three sequences (each padded to the CP x TP multiple) with its block-causal mask,
-  against transformers run on each sequence alone;
+  against transformers run on each sequence alone, where the comm type takes packed rows (its
+  refusal where it does not, as Transformer Engine's: ``parallel.layout.PACKED_ROW_COMM_TYPES``);
 - the stand-in's chunks: every rank's ``input_ids`` share is exactly its two chunks (from the
   rotary slice megatron computes, which the CPU adaptation routes through ``row_positions``).
 Rank 0 writes the largest differences to --out.
@@ -34,6 +35,7 @@ def main() -> None:
     from engine.models.forward import forward_only
     from engine.models.gpt import build_model_chunks
     from parallel.context_parallel import ContextParallelAttention
+    from parallel.layout import PACKED_ROW_COMM_TYPES
     from parallel.state import destroy_model_parallel
     from tests.dist_workers.models_parity import parse_layout, use_layout
 
@@ -77,16 +79,20 @@ def main() -> None:
                 mask[row, : lengths[row]] = 1
             tp_factor = layout.tensor_model_parallel_size if layout.uses_sequence_parallel else 1
             pack = pack_sequences(padded, mask, alignment=2 * layout.context_parallel_size * tp_factor)
-            packed_logits = forward_only(chunks, pack.input_ids, micro_batch_size=1,
-                                         attention_mask=pack.block_causal_mask(), broadcast_from_last_stage=True)
-            per_sequence = pack.unpack(packed_logits)
-            packed_diff = max((per_sequence[row, :n] - packed_reference[row]).abs().max().item()
-                              for row, n in enumerate(lengths))
             family[text] = {"max_abs_logit_diff": (logits - reference).abs().max().item(),
-                            "packed_max_abs_logit_diff": packed_diff,
-                            "packed_width": pack.input_ids.shape[1],
                             "cp_size": parallel_state.get_context_parallel_world_size(),
                             "embedded_row_lengths": sorted(set(seen))}
+            if layout.cp_comm_type in PACKED_ROW_COMM_TYPES:
+                packed_logits = forward_only(chunks, pack.input_ids, micro_batch_size=1,
+                                             attention_mask=pack.block_causal_mask(), broadcast_from_last_stage=True)
+                per_sequence = pack.unpack(packed_logits)
+                family[text]["packed_max_abs_logit_diff"] = max(
+                    (per_sequence[row, :n] - packed_reference[row]).abs().max().item() for row, n in enumerate(lengths))
+            elif layout.pipeline_model_parallel_size == 1:  # (a refusing first stage would leave the next waiting)
+                try:  # refused as Transformer Engine refuses it, by every CP rank in its first attention
+                    forward_only(chunks, pack.input_ids, micro_batch_size=1, attention_mask=pack.block_causal_mask())
+                except ValueError as error:
+                    family[text]["packed_refusal"] = str(error)
     # a2a splits the heads: a TP rank's single key/value head cannot be split over 2 CP ranks.
     layout = parse_layout("2,1,0,1,1,0,2,a2a")
     use_layout(layout)
