@@ -125,6 +125,10 @@ class ModelOffloader:
         """Bytes of ``part``, on the device or (offloaded) on the host."""
         return self.parts[part].nbytes
 
+    def resident_parts(self) -> list[str]:
+        """The parts on the device now (all but the offloaded ones)."""
+        return [name for name, part in self.parts.items() if not part.offloaded]
+
     def offload(self, *parts: str) -> None:
         for part in parts:
             self.parts[part].offload()

@@ -294,3 +294,31 @@ def test_a_colocated_server_killed_mid_run_is_restarted_and_the_run_finishes(dem
     assert len(starts) == 2 and starts[0].split("--port ")[1].split()[0] == starts[1].split("--port ")[1].split()[0]
     assert "SGLang server" in (run_dir / "logs" / "rank_00001.log").read_text()
     assert processes_with(marker) == {}
+    _check_restart_found_the_first_starts_memory(run_dir, log)
+
+
+def _check_restart_found_the_first_starts_memory(run_dir, server_log) -> None:
+    """Issue 45, defect 3 (``engine/rollout/sglang_engine.py`` ``restart_dead_servers``, then at
+    :652-668, restarting beside the resident training state with only the leader's cache handed
+    back): every rank took its whole training state off the device and handed its cache back before
+    the server restarted, and brought it back only after; the restarted server asked for the pool its
+    first start had (``--max-total-tokens`` = the first start's ``max_total_num_tokens``) and got it."""
+    from engine.rollout.memory import read_events
+    from tests.memory_events import check_invariants
+
+    events = {rank: read_events(run_dir / "logs" / f"rank_{rank:05d}.log") for rank in (0, 1)}
+    for rank, ranks_events in events.items():
+        check_invariants(ranks_events)
+        names = [event["event"] for event in ranks_events]
+        assert names.count("training_state_off_device") == names.count("training_state_back") == 1, names
+        off = names.index("training_state_off_device")
+        assert names[off - 1] == "hand_back_cache" and ranks_events[off - 1]["reason"] == "training state off the device"
+        assert all(parts == [] for parts in ranks_events[off]["resident"].values()), ranks_events[off]
+        assert len(ranks_events[off]["resident"]) == 3  # actor, reference and critic: all of them off
+        restarting = names[off + 1:names.index("training_state_back")]
+        assert restarting == (["restart_engine"] if rank == 1 else []), (rank, names)
+    text = server_log.read_text()
+    pools = [int(part.split()[0].rstrip(",")) for part in text.split("max_total_num_tokens=")[1:]]
+    starts = [line for line in text.splitlines() if line.startswith("[trident] ")]
+    assert len(pools) == 2 and pools[0] == pools[1], pools
+    assert f"--max-total-tokens {pools[0]}" in starts[1]

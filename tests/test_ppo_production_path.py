@@ -35,7 +35,9 @@ def watched_run(demo_model, tmp_path_factory):
         "actor_rollout_ref.actor.megatron.param_dtype", "actor_rollout_ref.rollout.dtype",
         "actor_rollout_ref.actor.megatron.use_distributed_optimizer", "actor_rollout_ref.model.use_remove_padding")}
     assert set(defaults.values()) == {"bfloat16", True}
-    defaults.update({"critic.megatron.param_dtype": "bfloat16", "critic.megatron.use_distributed_optimizer": True})
+    defaults.update({"critic.megatron.param_dtype": "bfloat16", "critic.megatron.use_distributed_optimizer": True,
+                     # gradients leave the device between updates: the save must not bring them back
+                     "actor_rollout_ref.actor.megatron.grad_offload": True, "critic.megatron.grad_offload": True})
     out_dir = tmp_path_factory.mktemp("watched")
     run_torchrun("ppo_memory_handoff.py", 2, [
         str(out_dir / "calls.json"), *(f"{key}={value}" for key, value in defaults.items()),
@@ -71,6 +73,24 @@ def test_bf16_ppo_with_the_memory_hand_off_in_order(watched_run):
     # model was built, the cache handed back on every rank before each resume.
     config = load_config("yaml/demo_cpu.yaml", [f"{key}={value}" for key, value in defaults.items()], world_size=2)
     memory_events.check_run(config, {rank: out_dir / f"memory_rank_{rank}.log" for rank in range(2)}, steps=STEPS)
+
+
+def test_the_checkpoint_is_saved_while_the_engine_sleeps_without_gradients(watched_run):
+    """Issue 45, defect 4 (``engine/trainer/ppo_trainer.py``'s save after ``update_weights``, and
+    ``engine/trainer/components.py:66-73`` bringing offloaded gradients back for it): the last step's
+    save comes after the engine released its KV cache and CUDA graphs and before any rank hands its
+    cache back for the engine to resume, with each model's weights and optimizer state resident and
+    its offloaded gradients left on the host (slime's ``train.py``: save, then update weights)."""
+    from engine.rollout.memory import read_events
+
+    out_dir, _ = watched_run
+    leader = read_events(out_dir / "memory_rank_0.log")
+    saves = [index for index, event in enumerate(leader) if event["event"] == "save"]
+    assert len(saves) == 1, leader
+    before, after = leader[saves[0] - 1], leader[saves[0] + 1]
+    assert before == {"event": "release", "tags": ["weights", "kv_cache", "cuda_graph"]}, before
+    assert after["event"] == "hand_back_cache" and leader[saves[0] + 2] == {"event": "resume", "tags": ["weights"]}
+    assert leader[saves[0]]["resident"] == {"actor": ["params", "optimizer"], "critic": ["params", "optimizer"]}
 
 
 def test_every_control_plane_wait_of_the_loop_is_on_a_gloo_control_group(watched_run):

@@ -8,6 +8,7 @@ needs); the crash test kills a server (twice), so it starts its own.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import signal
 import socket
@@ -309,11 +310,17 @@ def test_a_server_killed_mid_request_restarts_and_serves_the_weights_pushed_afte
     engine = own_engine
     server = engine.servers[0]
     first, port = server.process.pid, server.port
+    first_pool = server.first_pool_tokens
+    assert first_pool == server.pool_tokens() > 0
     error = _kill_during_a_long_generation(engine)
     assert isinstance(error, RolloutServerDied), error
     assert len(error.completed) < len(PROMPTS) and f"prompts were lost with SGLang server(s) {server.url}" in str(error)
     assert str(server.log_path) in str(engine.dead[0]) and "last lines" in str(engine.dead[0])
+    # The pool its first start sized, asked for again whatever the config or the free memory would
+    # give now (issue 45, defect 3): here the config asks a quarter of it.
+    server.config = dataclasses.replace(server.config, max_total_tokens=first_pool // 4)
     assert engine.restart_dead_servers() == 1 and engine.restarts == 1 and engine.dead == {}
+    assert server.pool_tokens() == first_pool and server.first_pool_tokens == first_pool
     assert live_processes_in_group(first) == [] and server.process.pid != first and server.port == port
     newer = random_llama(seed=3, eos_token_id=tiny.model.config.eos_token_id)
     engine.update_weights(newer.state_dict().items())

@@ -260,6 +260,10 @@ class RolloutEngine(abc.ABC):
     def health(self) -> bool:
         """True when the engine can serve; raises ``RolloutError`` if it has crashed."""
 
+    def dead_servers(self) -> int:
+        """How many of its servers died and wait for ``restart_dead_servers``."""
+        return 0
+
     def restart_dead_servers(self) -> int:
         """Start again, on the same devices, the servers that died (``RolloutServerDied``; a death
         during a weight update or a memory call is only recorded, so that the collective sync around

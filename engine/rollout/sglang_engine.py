@@ -649,14 +649,13 @@ class SGLangRolloutEngine(RolloutEngine):
     def health(self) -> bool:
         return all(server.is_healthy() for server in self.servers)
 
+    def dead_servers(self) -> int:
+        return len(self.dead)
+
     def restart_dead_servers(self) -> int:
         """Restart the dead servers (one at a time, each on its own GPUs and port); the caller pushes
         the current weights next (``servers_restarted`` on every engine first)."""
         restarted = sorted(self.dead)
-        if restarted and torch.cuda.is_available():
-            # A starting server sizes its KV cache from the GPU memory free then (sglang_static_pool_bytes):
-            # the trainer's cached blocks go back first, as before every resume.
-            torch.cuda.empty_cache()
         for index in restarted:
             server = self.servers[index]
             logger.warning("restarting SGLang server %s (restart %d of actor_rollout_ref.rollout.max_server_restarts=%d)",

@@ -191,6 +191,9 @@ class SGLangServer:
         self.attached = False
         self.refused_limit_s: float | None = None  # see REFUSED_LIMIT_S
         self._local = threading.local()
+        # Tokens of the KV pool its first start sized (SGLang's max_total_num_tokens): what a restart
+        # asks for (``restart``).
+        self.first_pool_tokens: int | None = None
 
     @property
     def url(self) -> str:
@@ -291,10 +294,21 @@ class SGLangServer:
 
     def restart(self) -> None:
         """Start a server that died again, on the same GPUs and (while it is free) the same port, so
-        that engines attached to it by address find it there; returns once it answers."""
+        that engines attached to it by address find it there, with the KV pool its first start had
+        (SGLang sizes the pool from the memory free when it starts, ``kv_cache_configurator``; a
+        restart must not size it again, and the caller frees what the first start found free:
+        ``engine.trainer.rollout``); returns once it answers."""
+        if self.first_pool_tokens is not None:
+            self.config = dataclasses.replace(self.config, max_total_tokens=self.first_pool_tokens)
         self.stop()
         self.start()
         self.wait_until_ready()
+
+    def pool_tokens(self) -> int:
+        """Tokens the server's KV pool holds (``max_total_num_tokens`` of SGLang's ``/server_info``)."""
+        response = self._session().get(self.url + "/server_info", timeout=30)
+        response.raise_for_status()
+        return int(response.json()["max_total_num_tokens"])
 
     def wait_until_ready(self) -> None:
         """Poll ``/health`` until this server's own process answers 200; raise if the process dies or
@@ -334,6 +348,8 @@ class SGLangServer:
                     self._check_api_key()
                     if not self.attached:
                         prepare_own_forkserver(self._env)  # for restarts, once this one is up
+                        if self.first_pool_tokens is None:
+                            self.first_pool_tokens = self.pool_tokens()
                     return
                 refused_since = None
             except requests.ConnectionError as error:

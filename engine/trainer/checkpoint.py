@@ -68,6 +68,9 @@ EXTRA_STATE_FILE = "extra_state.pt"
 RNG_DIR = "rng"
 FORMAT_VERSION = 1
 DISTRIBUTED_OPTIMIZER_FORMAT = "fully_reshardable"
+# What a checkpoint writes of a trained model: its weights and its optimizer's state. Gradients are
+# zeroed before every mini-batch, so a save (and a load) leaves them where they are, offloaded or not.
+CHECKPOINTED_PARTS = ("params", "optimizer")
 RESUME_MODES = ("auto", "disable", "resume_path")
 MANIFEST_KEY = "files"  # in METADATA_FILE: relative path -> [size in bytes, SHA-256]
 # A first save's size from its models' tensors: each trained element also has an fp32 main copy

@@ -29,13 +29,14 @@ from engine.rewards.manager import RewardManager
 from engine.rewards.reward_model import RewardModelScorer
 from engine.rewards.spmd import reward_manager_for_this_rank
 from engine.roles import MegatronActor, MegatronCritic, MicroBatchConfig, ReferencePolicy
-from engine.rollout.memory import record
+from engine.rollout.memory import hand_back_cache, record
 from engine.rollout.sglang_server import SGLangServer
-from engine.trainer.checkpoint import CheckpointManager, CheckpointTarget
+from engine.trainer.checkpoint import CHECKPOINTED_PARTS, CheckpointManager, CheckpointTarget
 from engine.trainer.console import say
 from engine.trainer.rollout import Rollout
 from engine.trainer.run_dir import RunDirectory
 from parallel.offload import PARTS as OFFLOAD_PARTS
+from parallel.offload import ModelOffloader
 from parallel.state import control_group, control_group_like
 
 logger = logging.getLogger(__name__)
@@ -63,14 +64,20 @@ class PPOComponents:
     total_training_steps: int
 
     @contextlib.contextmanager
-    def trained_models_resident(self):
-        """The actor's and critic's weights, gradients and optimizer state on the device inside the
-        block (checkpoints, export), whatever they offload between phases."""
+    def checkpointed_parts_resident(self):
+        """The actor's and critic's weights and optimizer state on the device inside the block (a
+        checkpoint's save or load), whatever they offload between phases; their gradients stay
+        where they are (a checkpoint holds none)."""
         with contextlib.ExitStack() as stack:
             for role in (self.actor, self.critic):
                 if role is not None:
-                    stack.enter_context(role.offloader.resident(*OFFLOAD_PARTS))
+                    stack.enter_context(role.offloader.resident(*CHECKPOINTED_PARTS))
             yield
+
+    def resident_parts(self) -> dict[str, list[str]]:
+        """Which parts of each trained model are on the device now (the memory record's view)."""
+        return {name: role.offloader.resident_parts() for name, role in (("actor", self.actor), ("critic", self.critic))
+                if role is not None}
 
     def checkpoint_targets(self) -> dict[str, CheckpointTarget]:
         targets = {"actor": CheckpointTarget(self.actor.ddp_chunks, self.actor.optimizer, self.actor.lr_scheduler)}
@@ -180,7 +187,9 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
     if built.reward_model:
         reward_model = _build_reward_model(cfg, tokenizer)
 
-    rollout.connect(actor_role)  # the weight sync; servers of their own start here
+    offloaders = _offloaders(actor_role, reference, critic, reward_model.model if reward_model is not None else None)
+    # the weight sync, and where a restarting server finds the training state; servers of their own start here
+    rollout.connect(actor_role, training_state_off_device=lambda: training_state_off_device(offloaders))
     judge, judge_server = _start_judge(cfg, run) if cfg.reward_model.judge.enable else (None, None)
     dist.barrier(group=control_group())
     _report_offload({"actor": actor_role, "reference": reference, "critic": critic})
@@ -194,6 +203,34 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
                                       async_save=cfg.trainer.checkpoint.async_save),
         total_training_steps=total_steps,
     )
+
+
+def _offloaders(*roles) -> list[ModelOffloader]:
+    """Each model's offloader once (the LoRA reference shares the actor's)."""
+    found: dict[int, ModelOffloader] = {}
+    for role in roles:
+        if role is not None:
+            found.setdefault(id(role.offloader), role.offloader)
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def training_state_off_device(offloaders: list[ModelOffloader]):
+    """Every part of every model on the host inside the block, and this rank's cached memory handed
+    back: the device as the colocated engine first found it, nothing of training on it. Afterwards
+    each model is as between its phases (its enabled parts offloaded, the rest resident; gradients
+    come back zeroed, as before every mini-batch)."""
+    for offloader in offloaders:
+        offloader.offload(*OFFLOAD_PARTS)
+    hand_back_cache("training state off the device")
+    record("training_state_off_device", resident={str(i): o.resident_parts() for i, o in enumerate(offloaders)})
+    try:
+        yield
+    finally:
+        for offloader in offloaders:
+            offloader.reload(*OFFLOAD_PARTS)
+            offloader.offload_enabled()
+        record("training_state_back")
 
 
 def _report_offload(roles: dict) -> None:

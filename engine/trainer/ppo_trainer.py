@@ -32,6 +32,7 @@ from engine.rewards.spmd import score_on_all_ranks
 from engine.roles import RolloutBatch
 from engine.rollout.agentic.trajectory import trajectory_metrics
 from engine.rollout.base import SamplingParams
+from engine.rollout.memory import record
 from engine.sync import check_rollout_log_probs
 from engine.trainer import watchdog
 from engine.trainer.checkpoint import export_hf_model
@@ -58,7 +59,7 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
     say(f"[trident] {decide_device(trainer.device).banner()}")  # decided by launch.main, before CUDA was asked
     profiler = StepProfiler(trainer.profile, rank, run.profile_dir)
     parts = build_components(cfg, run)
-    with parts.trained_models_resident():
+    with parts.checkpointed_parts_resident():
         step = resume_from_checkpoint(cfg, parts)
     parts.rollout.wake_and_sync(step + 1)  # the engine (started released) serves exactly the (possibly resumed) actor
     tracker = Tracker(trainer.logger, run=run, total_steps=parts.total_training_steps, start_step=step,
@@ -77,15 +78,15 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
             watchdog.at_step(step)
             kill_if_asked(rank, step)  # a failure test's lost rank (never set in production)
             parts.checkpoints.finalize()  # an asynchronous save whose writers are done becomes complete
-            last = step == parts.total_training_steps
+            # save_freq -1: only at the end of the run. Saved after training, before the engine wakes.
+            save_due = step == parts.total_training_steps or (trainer.save_freq > 0 and step % trainer.save_freq == 0)
             with profiler.step(step):
-                metrics = ppo_iteration(cfg, parts, prompts, step, upcoming=upcoming, more_prompts=batches.more)
+                metrics = ppo_iteration(cfg, parts, prompts, step, upcoming=upcoming, more_prompts=batches.more,
+                                        save=(lambda: save_checkpoint(parts, step, batches.sampler_state))
+                                        if save_due else None)
             if parts.val_loader is not None and trainer.test_freq > 0 and step % trainer.test_freq == 0:
                 metrics.update(validate(cfg, parts))
             tracker.log(metrics, step)
-            # save_freq -1: only at the end of the run.
-            if last or (trainer.save_freq > 0 and step % trainer.save_freq == 0):
-                save_checkpoint(parts, step, batches.sampler_state)
     parts.checkpoints.close()  # waits for an asynchronous save still being written
     tracker.close()
     parts.rollout.shutdown()
@@ -149,16 +150,19 @@ class TrainingPrompts:
 
 
 def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: int, upcoming=(),
-                  more_prompts: Callable[[], tuple[PromptBatch, list[PromptBatch]]] | None = None) -> dict[str, float]:
+                  more_prompts: Callable[[], tuple[PromptBatch, list[PromptBatch]]] | None = None,
+                  save: Callable[[], None] | None = None) -> dict[str, float]:
     """One PPO iteration on this rank's share of the global prompt batch; ``upcoming`` (off-policy,
     ``trainer.max_staleness``): later batches for the servers to start generating while this one
     trains; ``more_prompts`` takes another batch for dynamic sampling (``algorithm.filter_groups``),
-    with upcoming ones to start (``TrainingPrompts.more``).
+    with upcoming ones to start (``TrainingPrompts.more``); ``save`` writes this step's checkpoint.
 
     Memory choreography (colocated rollout, ``engine.rollout.memory``): the engine holds its
     weights, KV cache and CUDA graphs only to generate; it releases them before the training phases
     and takes them back for the weight sync (``Rollout.wake_and_sync``), so rollout and training never
-    peak together. Servers of their own keep theirs; they only have to be idle for the push.
+    peak together. Servers of their own keep theirs; they only have to be idle for the push. A
+    checkpoint is saved between the two, while the engine sleeps, with only the weights and optimizer
+    state it writes resident (slime's ``train.py``: save, then update the weights).
     """
     metrics: dict[str, float] = {}
     start = time.perf_counter()
@@ -221,10 +225,14 @@ def ppo_iteration(cfg: ExperimentConfig, parts: PPOComponents, prompts, step: in
             actor_batch = _corrected_for_the_rollout_policy(batch, algo, metrics)
             metrics.update(parts.actor.update_policy(actor_batch, temperature))
         metrics["perf/mfu/actor"] = _actor_update_mfu(cfg, parts, batch, metrics["timing_s/update_actor"])
+    if save is not None:
+        with phase("save", metrics):
+            save()
     with phase("update_weights", metrics):  # every step: released weights must be pushed again
         # Servers generating ahead are made idle first (waited for, or paused with partial rollouts).
         sync, metrics["perf/wait_rollout_ahead_s"] = parts.rollout.wake_and_sync(step + 1)
-    metrics["timing_s/step"] = time.perf_counter() - start  # phase() names its entries timing_s/<phase>
+    # phase() names its entries timing_s/<phase>; the step's time is its training's, the save's apart.
+    metrics["timing_s/step"] = time.perf_counter() - start - metrics.get("timing_s/save", 0.0)
     metrics["perf/weight_sync_received_mb"] = sync.stats.bytes_received / 2**20  # this rank, in the engine's dtype
     metrics.update(_batch_metrics(batch, scores, reward_metrics, rollout.n))
     tokens = int(batch.attention_mask.sum())
@@ -378,6 +386,13 @@ def validate(cfg: ExperimentConfig, parts: PPOComponents) -> dict[str, float]:
     ``val/reward_model/mean`` the reward model's score; ``val/accuracy`` counts responses whose rule
     score is 1, and with n > 1 ``val/pass_at_<n>`` prompts with at least one (both need rule scores);
     multi-turn runs add the trajectories' ``rollout/*`` metrics as ``val/*`` (``val/tool_calls/mean``)."""
+    # Validation draws from a fork of the random streams: training's own continue as if it had not
+    # run, so a step's checkpoint (saved before it) resumes exactly whatever validation sampled.
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        return _validate(cfg, parts)
+
+
+def _validate(cfg: ExperimentConfig, parts: PPOComponents) -> dict[str, float]:
     val = cfg.actor_rollout_ref.rollout.val_kwargs
     params = val.sampling_params(cfg.data.max_response_length)
     rewards: list[float] = []
@@ -413,7 +428,8 @@ def save_checkpoint(parts: PPOComponents, step: int, sampler_state: dict) -> Non
     extra = {"step": step, "sampler": sampler_state, "kl_controller": parts.kl_controller.state_dict(),
              # the roles seed each update's mini-batch shuffle with their call count
              "update_calls": {name: role.num_update_calls for name, role in _trained_roles(parts).items()}}
-    with parts.trained_models_resident():  # an asynchronous save has set the tensors aside when this returns
+    with parts.checkpointed_parts_resident():  # an asynchronous save has set the tensors aside when this returns
+        record("save", resident=parts.resident_parts())
         parts.checkpoints.save(step, parts.checkpoint_targets(), extra_state=extra)
 
 

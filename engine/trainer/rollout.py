@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -84,11 +85,24 @@ def _tasks(prompts: list, rows: dict[str, list]) -> list[TrajectoryTask]:
 def _restart_dead_servers(rollout: "Rollout", lost: bool = False) -> bool:
     """Collective: every rank's dead rollout servers start again and the current weights are pushed
     into every server. ``lost``: this rank lost prompts with them. Returns whether any rank
-    restarted a server or lost prompts."""
-    restarted = rollout.engine.restart_dead_servers() if rollout.engine is not None else 0
-    counts = torch.tensor([restarted, int(lost)])
-    dist.all_reduce(counts, group=control_group())  # also: no rank pushes before every restart is done
+    restarted a server or lost prompts.
+
+    A colocated server sizes its KV pool from the memory free when it starts (SGLang's
+    ``kv_cache_configurator``): restarted beside the resident training state it would get a fraction
+    of its first pool, or none (70B). So it restarts as it first started: every rank's training state
+    off the device and its cache handed back first (slime restarts dead engines at the next weight
+    update, after ``offload_train``: ``train.py``, ``slime/ray/rollout.py`` ``recover_updatable_engines``),
+    asking for its first start's pool (``SGLangServer.restart``)."""
+    dead = rollout.engine.dead_servers() if rollout.engine is not None else 0
+    counts = torch.tensor([dead, int(lost)])
+    dist.all_reduce(counts, group=control_group())
     if counts[0]:
+        off_device = rollout.training_state_off_device() if not rollout.disaggregated else contextlib.nullcontext()
+        with off_device:
+            dist.barrier(group=control_group())  # every rank's memory is free before a server starts
+            if rollout.engine is not None and rollout.engine.restart_dead_servers():
+                record("restart_engine", servers=dead)
+            dist.barrier(group=control_group())  # and stays free until every restart has sized its pool
         rollout.server_restarts += int(counts[0])
         if rollout.engine is not None:
             rollout.engine.servers_restarted()
@@ -253,6 +267,7 @@ class Rollout:
         self.server_restarts = 0  # every rank's, in this run (rollout.max_server_restarts)
         self.weight_version = 0  # of the weights the engine serves: the step that trains from them
         self.actor: Any = None
+        self.training_state_off_device: Callable[[], ContextManager] | None = None
         self.weight_sync: WeightSynchronizer | None = None
         # Colocated: on generation-replica leaders. Disaggregated: the servers' owner on rank 0 (it also
         # generates), and a weight-push handle on each pipeline stage's sender.
@@ -261,11 +276,13 @@ class Rollout:
             self.engine = start_colocated_engine(cfg, run, WeightSynchronizer.hybrid_layout(
                 arr.actor.megatron, arr.rollout, self.sync_target))
 
-    def connect(self, actor: Any) -> None:
+    def connect(self, actor: Any, training_state_off_device: Callable[[], ContextManager]) -> None:
         """The weight sync from ``actor``'s model into the engine; servers of their own start now
-        (each pipeline stage's sender attaches to them). Collective."""
+        (each pipeline stage's sender attaches to them). ``training_state_off_device``: a block with
+        every model of this rank on the host (a dead server restarts inside it). Collective."""
         arr = self.cfg.actor_rollout_ref
         self.actor = actor
+        self.training_state_off_device = training_state_off_device
         self.weight_sync = WeightSynchronizer(actor.model_chunks, arr.actor.megatron, arr.rollout, target=self.sync_target)
         if self.weight_sync.fallback_reason:
             say(f"[trident] weight sync: full tensors on every generation GPU, not each GPU's shard "
