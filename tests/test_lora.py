@@ -50,6 +50,22 @@ def test_layouts_match_tp1(lora_run):
             assert error <= TOLERANCE, (layout, name, float(error))
 
 
+def test_adapters_go_to_the_replica_leaders_only_in_buckets(lora_run):
+    """Issue 45, defect 8 (``engine/sync/weight_sync.py`` ``_push_adapters`` gathered every adapter
+    tensor on every rank, a broadcast and a device-to-host copy each, ~1k per step at 70B): exported
+    to ranks 1 and 3 only, those two get every adapter exactly, ranks 0 and 2 get none, and a rank
+    sends one message per 32 KiB bucket and destination, far fewer than one per tensor."""
+    results, adapters, _ = lora_run
+    tensors = len(adapters[LAYOUTS[0]])
+    for layout in LAYOUTS:
+        ranks = results[layout]["leaders_only"]
+        assert [rank["tensors"] for rank in ranks] == [0, tensors, 0, tensors], (layout, ranks)
+        assert ranks[1]["equal_to_rank_0"] and ranks[3]["equal_to_rank_0"], layout
+        sends = [rank["sends"] for rank in ranks]
+        assert all(set(destinations) <= {1, 3} for destinations in sends), (layout, sends)
+        assert 0 < sum(len(destinations) for destinations in sends) < tensors / 4, (layout, sends)
+
+
 def test_base_frozen_and_adapters_off_is_the_base_model(lora_run, tiny_llama):  # noqa: F811
     results, _, _ = lora_run
     for layout in LAYOUTS:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import shutil
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -259,10 +260,11 @@ def _collect(local: dict[str, torch.Tensor], destination_rank: int | None) -> di
 
 
 @torch.no_grad()
-def export_peft_state_dict(model_chunks: Sequence[torch.nn.Module], *, destination_rank: int | None = 0
-                           ) -> dict[str, torch.Tensor]:
+def export_peft_state_dict(model_chunks: Sequence[torch.nn.Module], *, destinations: Sequence[int] = (0,),
+                           bucket_bytes: int | None = None) -> dict[str, torch.Tensor]:
     """The LoRA adapters as PEFT names and layout (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``),
-    CPU tensors on ``destination_rank`` ({} elsewhere; every rank for None). Collective."""
+    CPU tensors on each rank of ``destinations`` ({} elsewhere), sent there in buckets of at most
+    ``bucket_bytes`` (None: no limit; ``_collect_in_buckets``). Collective."""
     from megatron.core import parallel_state as ps
 
     architecture, entries = _chunk_architecture(model_chunks), _entries_for(model_chunks)
@@ -275,8 +277,60 @@ def export_peft_state_dict(model_chunks: Sequence[torch.nn.Module], *, destinati
                                                               tp_size) for factor in (adapter.lora_A, adapter.lora_B))
                 if ps.get_tensor_model_parallel_rank() == 0:
                     tensors = peft_tensors(entries[name], a_shards, b_shards, architecture)
-                    local.update({key: t.cpu() for key, t in tensors.items()})
-    return _collect(local, destination_rank)
+                    local.update({key: t.contiguous() for key, t in tensors.items()})
+    return _collect_in_buckets(local, destinations, bucket_bytes)
+
+
+def _collect_in_buckets(local: dict[str, torch.Tensor], destinations: Sequence[int],
+                        bucket_bytes: int | None) -> dict[str, torch.Tensor]:
+    """Every rank's ``local`` tensors, as CPU tensors, on each rank of ``destinations`` ({} elsewhere);
+    collective. A source packs its tensors into flat buckets (one dtype each, at most ``bucket_bytes``
+    unless one tensor is larger) and sends each bucket to each destination: a message per bucket and
+    destination, each crossing to the host once, instead of a world broadcast and a copy per tensor
+    (a LoRA sync of a 70B model moved ~1k adapter tensors that way to every rank, each step).
+    Sources, buckets and destinations go in the same order on every rank, so the sends and receives
+    pair up without a cycle."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    targets = sorted(set(destinations))
+    manifests: list[list[tuple[str, tuple[int, ...], torch.dtype]] | None] = [None] * world
+    dist.all_gather_object(manifests, [(name, tuple(t.shape), t.dtype) for name, t in local.items()])
+    comm_device = device()  # NCCL moves GPU tensors only
+    received: dict[str, torch.Tensor] = {}
+    for source, manifest in enumerate(manifests):
+        for bucket in _dtype_buckets(manifest, bucket_bytes):
+            dtype, numel = bucket[0][2], sum(math.prod(shape) for _, shape, _ in bucket)
+            if rank == source:
+                flat = torch.cat([local[name].reshape(-1) for name, _, _ in bucket]).to(comm_device)
+                for target in targets:
+                    if target != rank:
+                        dist.send(flat, dst=target)
+            elif rank in targets:
+                flat = torch.empty(numel, dtype=dtype, device=comm_device)
+                dist.recv(flat, src=source)
+            else:
+                continue
+            if rank in targets:
+                offset, flat = 0, flat.cpu()
+                for name, shape, _ in bucket:
+                    size = math.prod(shape)
+                    received[name] = flat[offset:offset + size].view(shape)
+                    offset += size
+    return received
+
+
+def _dtype_buckets(manifest: Sequence[tuple[str, tuple[int, ...], torch.dtype]], bucket_bytes: int | None) -> list[list]:
+    """``manifest``'s entries in consecutive buckets of one dtype and at most ``bucket_bytes`` each
+    (a larger tensor alone; None: no limit)."""
+    buckets: list[list] = []
+    size = 0
+    for entry in manifest:
+        nbytes = math.prod(entry[1]) * entry[2].itemsize
+        if not buckets or buckets[-1][0][2] != entry[2] or (bucket_bytes is not None and size + nbytes > bucket_bytes):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(entry)
+        size += nbytes
+    return buckets
 
 
 def save_peft_adapter(model_chunks: Sequence[torch.nn.Module], out_dir: str | Path, *,
@@ -286,7 +340,7 @@ def save_peft_adapter(model_chunks: Sequence[torch.nn.Module], out_dir: str | Pa
     from safetensors.torch import save_file
 
     settings = model_chunks[0].lora_settings
-    state_dict = export_peft_state_dict(model_chunks, destination_rank=0)
+    state_dict = export_peft_state_dict(model_chunks, destinations=(0,))
     if dist.get_rank() == 0:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)

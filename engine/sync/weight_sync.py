@@ -186,14 +186,18 @@ class WeightSynchronizer:
         return report
 
     def _push_adapters(self, engine: RolloutEngine | None) -> WeightSyncReport:
-        """The LoRA adapters, gathered whole on every rank (PEFT's names and layout, in the rollout
-        dtype), into the engine of each replica leader. Collective. The bytes reported are the
-        adapters' (what a sync moves); the base weights never move."""
+        """The LoRA adapters, gathered whole on each replica leader only (PEFT's names and layout, in
+        the rollout dtype; in buckets of ``update_weights_bucket_megabytes``), into its engine.
+        Collective. The bytes reported are the adapters' (what a sync moves); the base weights never
+        move."""
         start = time.perf_counter()
         settings = unwrap(self.model_chunks[0]).lora_settings
+        leaders: list = [None] * dist.get_world_size()
+        dist.all_gather_object(leaders, engine is not None, group=control_group())
         with torch.no_grad():
-            tensors = {name: tensor.to(self.dtype) for name, tensor in
-                       export_peft_state_dict(self.model_chunks, destination_rank=None).items()}
+            tensors = {name: tensor.to(self.dtype) for name, tensor in export_peft_state_dict(
+                self.model_chunks, destinations=[rank for rank, leads in enumerate(leaders) if leads],
+                bucket_bytes=int(self.rollout.update_weights_bucket_megabytes * 2**20)).items()}
         size = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
         push_seconds = 0.0
         if engine is not None:

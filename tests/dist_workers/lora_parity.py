@@ -165,6 +165,27 @@ def checkpoint_round_trip(actor, chunks, directory: Path, adapters: dict) -> dic
     return {"equal": all(torch.equal(loaded[k], v) for k, v in adapters.items()), "tensor_keys": keys}
 
 
+def export_to_leaders(chunks, on_rank_zero: dict) -> dict:
+    """The adapters exported to ranks 1 and 3 only (as a sync sends them to its replica leaders), in
+    32 KiB buckets (the tiny model has 72 KiB of adapters), counting this rank's sends: per rank, how
+    many tensors it got, whether they equal rank 0's full export, and where it sent messages."""
+    from engine.models import checkpoint
+
+    sends = []
+    send = torch.distributed.send
+    torch.distributed.send = lambda tensor, dst, *args, **kwargs: sends.append(dst) or send(tensor, dst, *args, **kwargs)
+    try:
+        received = checkpoint.export_peft_state_dict(chunks, destinations=[1, 3], bucket_bytes=32 * 1024)
+    finally:
+        torch.distributed.send = send
+    sums = {name: float(tensor.double().sum()) for name, tensor in received.items()}
+    every: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, {"tensors": len(received), "sums": sums, "sends": sends})
+    reference = {name: float(tensor.double().sum()) for name, tensor in on_rank_zero.items()}
+    return [{"tensors": r["tensors"], "equal_to_rank_0": r["sums"] == reference if r["tensors"] else None,
+             "sends": r["sends"]} for r in every] if torch.distributed.get_rank() == 0 else []
+
+
 def run_layout(spec: dict, hf_dir: Path, seed: int, peft_dir: Path | None, out_dir: Path, name: str,
                engine_name: str = "torch") -> dict:
     from megatron.core import parallel_state
@@ -212,6 +233,8 @@ def run_layout(spec: dict, hf_dir: Path, seed: int, peft_dir: Path | None, out_d
     adapters_after = export_peft_state_dict(chunks)
     if torch.distributed.get_rank() == 0:
         torch.save(adapters_after, out_dir / f"{name}.pt")
+    if torch.distributed.get_world_size() == 4:  # (ranks 1 and 3 as the leaders)
+        result["leaders_only"] = export_to_leaders(chunks, adapters_after)
 
     if engine_name == "sglang":
         result["sglang"] = sync_into_sglang(chunks, layout, hf_dir, out_dir / f"sglang_{name}")
