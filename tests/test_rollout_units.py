@@ -10,6 +10,7 @@ from engine.config import RolloutConfig
 from engine.rollout import SamplingParams, create_rollout_engine, iter_weight_buckets
 from engine.rollout.sglang_cpu import CPU_STANDINS_DIR
 from engine.rollout.torch_engine import keep_mask_top_k_top_p
+from tests.rollout_support import requires_sglang
 
 
 @pytest.mark.parametrize(
@@ -151,6 +152,36 @@ def test_sglang_weight_version_spans_become_each_tokens_version():
     item["meta_info"]["weight_versions"] = [{"version": "3", "start": 0, "end": 2}]
     with pytest.raises(RolloutError, match="cover 2 of 4 output tokens"):
         _parse_sample(item, 2, None)
+
+
+@requires_sglang
+@pytest.mark.parametrize("tokens", [1, 2, 5])
+def test_weight_version_spans_cover_the_output_in_every_order_the_overlap_scheduler_records(tokens):
+    """Issue 45, defect 9 (``sglang_engine.py`` ``_token_versions`` requires spans covering exactly the
+    output, only ever run with the overlap scheduler off). Under overlap a version change is recorded
+    at ``len(req.output_ids)`` while the next token is in flight (``scheduler.py``
+    ``update_weight_version``, ``utils/weight_versions.py`` ``record_weight_version_events``), so the
+    boundary may fall one token early or at the very end, and one or two changes may land in one
+    request; a finished request's spans are computed from ``output_ids_through_stop``, the list sent
+    as ``output_ids`` (``output_streamer.py``). Run through SGLang's own span functions, every such
+    order covers exactly the output and Trident takes it. (The routed-expert count is fixed the same
+    way, ``seqlen - 1`` rows of ``origin_input_ids + output_ids_through_stop``: ``state_capturer/
+    base.py`` ``get_topk``; it needs a GPU's capturer to run.)"""
+    from sglang.srt.utils.weight_versions import (WeightVersionEvent, add_weight_versions_to_meta_info,
+                                                  compute_weight_version_spans)
+
+    from engine.rollout.sglang_engine import _parse_sample
+
+    boundaries = [(), *[(b,) for b in range(1, tokens + 1)],
+                  *[(a, b) for a in range(1, tokens + 1) for b in range(a, tokens + 1)]]
+    for recorded in boundaries:
+        versions = [str(3 + i) for i in range(len(recorded) + 1)]  # 3, then 4 (and 5) from each boundary on
+        events = [WeightVersionEvent(old_version=old, num_output_tokens=at) for old, at in zip(versions, recorded)]
+        meta = {"finish_reason": {"type": "stop"}, "output_token_logprobs": [[-0.5, t, None] for t in range(tokens)]}
+        add_weight_versions_to_meta_info(meta, compute_weight_version_spans(events, versions[-1], tokens), tokens)
+        sample = _parse_sample({"output_ids": list(range(tokens)), "meta_info": meta}, 2, None)
+        expected = [int(versions[sum(at <= token for at in recorded)]) for token in range(tokens)]
+        assert sample.policy_versions == expected, (recorded, meta["weight_versions"])
 
 
 def test_free_ports_are_drawn_below_the_ephemeral_range_and_ignore_the_seed():
