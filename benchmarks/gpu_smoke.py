@@ -21,12 +21,28 @@ script picks TE's spec). In order it:
    cached memory makes the engine's resume run out of memory, and handing the cache back
    (``engine.rollout.memory.hand_back_cache``) lets it through;
 3. runs PPO steps 1 .. N-1 (each releases and resumes the engine as the loop does), saves a
-   checkpoint, tears everything down, builds it again from the checkpoint (the actor's weights must
-   come back bit-identical) and runs step N;
+   checkpoint after step N-1's training while the engine sleeps, tears everything down, builds it
+   again from the checkpoint (the actor's weights must come back bit-identical) and runs step N;
 4. reports per-phase seconds and peak memory, the actor update's MFU (989 TFLOP/s peak on H100/H200),
    the rollout-vs-trainer log-prob gap (checked against ``engine.sync.expected_log_prob_gap``), and
    writes it to ``OUT/gpu_smoke.json`` (the model, data and run go to ``--work``, a temporary folder
    by default). Exit status 1 when a check fails.
+
+Before them, three gates, each with a CPU half that ``--cpu`` runs (issue 45's smoke):
+
+- the environment: the NVIDIA driver's version, ``torch.version.cuda``, the device decided as a job
+  decides it (``parallel.device``: a machine whose GPUs CUDA cannot use stops here with the driver
+  to install), and a one-rank ``launch.torchrun`` job that must get the ``nccl`` backend and a CUDA
+  tensor (``gloo`` and the CPU with ``--cpu``), with one all-reduce;
+- memory around the save (free device memory on a GPU, resident host memory on the CPU) and around
+  what a server restart finds: ``training_state_off_device`` (``engine.trainer.components``) must
+  give the device back what the training state held (on a GPU);
+- the attention path a packed row takes (``engine.models.attention.attention_path``).
+
+What a bare lent machine reaches (torch 2.11 cu130, transformers, pyarrow; megatron-core and
+omegaconf as wheels): all of the above with megatron's local layer spec and the ``torch-process``
+engine. What needs the pinned stack: SGLang (a real server's restart and its pool), and
+transformer-engine (its THD attention and CP kernels).
 
 On a lent GPU machine (Python 3.12; torch, transformers, pyarrow, tensorboard present; megatron-core
 and omegaconf carried as wheels, ``bash benchmarks/gpu_wheels.sh`` makes them in ``.whl``)::
@@ -157,6 +173,79 @@ def memory_hand_off(parts) -> dict[str, Any]:
     return result
 
 
+def environment_gate(cpu: bool, work: Path) -> dict[str, Any]:
+    """Gate 1 (see the module docstring)."""
+    import subprocess
+
+    import torch
+
+    from parallel.device import DeviceError, decide
+    from parallel.state import find_free_port
+
+    try:
+        choice = decide("cpu" if cpu else "cuda")
+    except DeviceError as error:
+        raise SmokeFailure(str(error)) from None
+    out = work / "environment_gate.json"
+    job = subprocess.run([sys.executable, "-m", "launch.torchrun", "--nproc_per_node=1", "--master_addr=127.0.0.1",
+                          f"--master_port={find_free_port()}", "-m", "benchmarks.gpu_smoke", "--gate-worker", str(out)],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    check(job.returncode == 0, f"the one-rank launch.torchrun job failed:\n{job.stderr[-3000:]}")
+    rank = json.loads(out.read_text())
+    expected = ("gloo", "cpu") if cpu else ("nccl", "cuda")
+    check((rank["backend"], rank["device"]) == expected,
+          f"the one-rank job ran on {rank['backend']} and {rank['device']}, expected {expected}: a CPU fall-back")
+    check(rank["all_reduce"] == 2.0, f"one rank's all-reduce of 2.0 gave {rank['all_reduce']}")
+    return {"driver": choice.driver, "torch_cuda": torch.version.cuda, "decided": choice.banner(), "rank": rank}
+
+
+def gate_worker(out: str) -> None:
+    """The one-rank job of ``environment_gate``, started as ``launch.main`` is: the device decided
+    first, then the process group."""
+    import torch
+    import torch.distributed as dist
+
+    from parallel.device import decide
+    from parallel.state import device, init_distributed
+
+    decide("auto")
+    init_distributed()
+    tensor = torch.full((1,), 2.0, device=device())
+    dist.all_reduce(tensor)
+    Path(out).write_text(json.dumps({"backend": dist.get_backend(), "device": tensor.device.type,
+                                     "all_reduce": tensor.item()}))
+    dist.destroy_process_group()
+
+
+def device_memory() -> float:
+    """Free device memory in GiB on a GPU; on the CPU, this process's resident host memory."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[0] / GIB
+    from benchmarks.load_memory import status_kib
+
+    return status_kib("VmRSS") * 1024 / GIB
+
+
+def restart_memory(parts) -> dict[str, float]:
+    """Gate 2's second half: the memory a restarting server would find, before, inside and after the
+    training state's trip off the device."""
+    import torch
+
+    before = device_memory()
+    with parts.rollout.training_state_off_device():
+        inside = device_memory()
+    after = device_memory()
+    result = {"before_gb": before, "training_state_off_gb": inside, "after_gb": after}
+    if torch.cuda.is_available():  # (on the CPU the offload copies to the same host memory)
+        held = sum(role.offloader.nbytes(part) for role in (parts.actor, parts.critic) if role is not None
+                   for part in ("params", "grads", "optimizer")) / GIB
+        check(inside - before > 0.8 * held, f"taking the training state off freed {inside - before:.2f} GiB of its "
+                                            f"{held:.2f} GiB: a restarted server would size its pool beside it")
+    return result
+
+
 def actor_fingerprint(parts) -> list[float]:
     import torch
 
@@ -168,6 +257,7 @@ def run(steps: int, cpu: bool, work: Path) -> dict[str, Any]:
     import torch
 
     from engine.config import load_config
+    from engine.models.attention import attention_path
     from engine.models.gpt import use_transformer_engine
     from engine.sync import expected_log_prob_gap
     from engine.trainer.components import build_components
@@ -177,6 +267,7 @@ def run(steps: int, cpu: bool, work: Path) -> dict[str, Any]:
 
     check(cpu or torch.cuda.is_available(), "no GPU: run with --cpu for the CPU flow")
     started = time.perf_counter()
+    gate = environment_gate(cpu, work)
     cfg = load_config(EXPERIMENT, [*prepare(work, cpu), f"trainer.total_training_steps={steps}"], world_size=1)
     megatron = cfg.actor_rollout_ref.actor.megatron
     initialize_model_parallel(megatron, seed=megatron.seed)
@@ -186,6 +277,7 @@ def run(steps: int, cpu: bool, work: Path) -> dict[str, Any]:
         "layer_spec": "transformer-engine" if use_transformer_engine() else "megatron local (no transformer-engine)",
         "rollout_engine": "torch-process (transformers generate, a process of its own on the same device)",
         "param_dtype": megatron.param_dtype, "rollout_dtype": cfg.actor_rollout_ref.rollout.dtype, "steps": [],
+        "environment": gate, "attention_packed_rows": attention_path(packed=True),
     }
     try:
         parts = build_components(cfg, run_dir)  # the engine first, released, then the models
@@ -193,11 +285,18 @@ def run(steps: int, cpu: bool, work: Path) -> dict[str, Any]:
         report["parameters"] = sum(p.numel() for chunk in parts.actor.model_chunks for p in chunk.parameters())
         parts.rollout.wake_and_sync(1)
         report["memory_hand_off"] = memory_hand_off(parts)
+        report["restart_memory"] = restart_memory(parts)
         batches = iter(parts.train_loader)
+        saved: list[float] = []
+
+        def save() -> None:  # after step N-1's training, while the engine sleeps, as the loop saves
+            before = device_memory()
+            save_checkpoint(parts, steps - 1, parts.train_loader.state_dict())
+            report["save_memory"] = {"before_gb": before, "after_gb": device_memory()}
+            saved.extend(actor_fingerprint(parts))
+
         for step in range(1, steps):
-            report["steps"].append(_step(cfg, parts, next(batches), step))
-        save_checkpoint(parts, steps - 1, parts.train_loader.state_dict())
-        saved = actor_fingerprint(parts)
+            report["steps"].append(_step(cfg, parts, next(batches), step, save if step == steps - 1 else None))
         parts.rollout.engine.shutdown()
         del parts, batches
         gc.collect()
@@ -223,10 +322,10 @@ def run(steps: int, cpu: bool, work: Path) -> dict[str, Any]:
     return report
 
 
-def _step(cfg, parts, prompts, step: int) -> dict[str, Any]:
+def _step(cfg, parts, prompts, step: int, save=None) -> dict[str, Any]:
     from engine.trainer.ppo_trainer import ppo_iteration
 
-    metrics = ppo_iteration(cfg, parts, prompts, step)
+    metrics = ppo_iteration(cfg, parts, prompts, step, save=save)
     keys = ("rollout/log_prob_abs_diff", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "perf/mfu/actor",
             "perf/throughput", "perf/total_num_tokens", "response_length/mean")
     row = {"step": step, **{key: metrics[key] for key in keys if key in metrics}}
@@ -248,7 +347,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3, help="PPO steps; a checkpoint is saved and resumed before the last")
     parser.add_argument("--out", default=None, help="folder for gpu_smoke.json (default: the work folder)")
     parser.add_argument("--work", default=None, help="folder for the model, data and run (default: a temporary one)")
+    parser.add_argument("--gate-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.gate_worker:
+        gate_worker(args.gate_worker)
+        return
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the last step runs after a resume)")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="trident-gpu-smoke-"))
@@ -263,8 +366,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[gpu_smoke] FAILED: {failure}", file=sys.stderr, flush=True)
         sys.exit(1)
     (out / "gpu_smoke.json").write_text(json.dumps(report, indent=2))
-    print(f"[gpu_smoke] passed in {report['seconds']:.0f} s on {report['device']}; memory hand-off "
-          f"{report['memory_hand_off']}; report {out / 'gpu_smoke.json'}", flush=True)
+    print(f"[gpu_smoke] passed in {report['seconds']:.0f} s on {report['device']} ({report['environment']['decided']}; "
+          f"one rank on {report['environment']['rank']['backend']}); memory hand-off {report['memory_hand_off']}; "
+          f"around the save {report['save_memory']}; training state off for a restart {report['restart_memory']}; "
+          f"packed rows: {report['attention_packed_rows']}; report {out / 'gpu_smoke.json'}", flush=True)
 
 
 if __name__ == "__main__":

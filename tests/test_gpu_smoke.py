@@ -36,3 +36,14 @@ def test_gpu_smoke_flow_on_cpu(tmp_path):
         assert row["perf/mfu/actor"] is None  # no known peak on CPU: absent rather than wrong
         assert row["timing_s/update_actor"] > 0 and row["perf/max_rss_gb/update_actor"] > 0
     assert "resumed from" in result.stdout and "passed" in result.stdout
+    # Issue 45's gates, CPU halves: the device decided as a job decides it and a one-rank torchrun job
+    # on it (gloo, a CPU tensor, one all-reduce); memory around the save (after step 2's training,
+    # timed apart from the step) and around the training state's trip off the device; the attention
+    # path of a packed row.
+    gate = report["environment"]
+    assert gate["decided"] == "device: cpu, gloo (trainer.device=cpu)" and gate["torch_cuda"]
+    assert gate["rank"] == {"backend": "gloo", "device": "cpu", "all_reduce": 2.0}
+    assert report["save_memory"]["before_gb"] > 0 and report["steps"][1]["timing_s/save"] > 0
+    assert "timing_s/save" not in report["steps"][0]
+    assert set(report["restart_memory"]) == {"before_gb", "training_state_off_gb", "after_gb"}
+    assert report["attention_packed_rows"].startswith("torch SDPA with each pack's dense block-causal mask")

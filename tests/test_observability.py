@@ -69,7 +69,8 @@ def test_the_terminal_shows_progress_and_a_summary_and_nothing_else(job):
     assert "Params for bucket" in logs[0] and all("Apex is not installed" in log for log in logs)
     assert len(lines) == len(set(lines)), [line for line in lines if lines.count(line) > 1]
     assert lines[0].startswith("[trident] trident_demo/arith_ppo: run dir: ") and f"logs: {job.run_dir}/logs" in lines[0]
-    assert lines[1] == "[trident] device: cpu, gloo (no NVIDIA GPU on this machine)"  # decided once, at start
+    # decided once, at start; the demo's rows are padded
+    assert lines[1] == "[trident] device: cpu, gloo (no NVIDIA GPU on this machine); attention: torch SDPA, causal"
     progress = [line for line in lines if line.startswith("step ")]
     assert [line.split()[1] for line in progress] == [f"{step}/{STEPS}" for step in range(STEPS + 1)]
     assert "<" in progress[2] and "s/step]" in progress[2] and "actor/pg_loss" in progress[2]

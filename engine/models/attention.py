@@ -35,3 +35,15 @@ class FusedLocalAttention(DotProductAttention):
             q, k, v, attn_mask=mask, is_causal=attention_mask is None, scale=self.softmax_scale,
             enable_gqa=q.shape[1] != k.shape[1])
         return context.permute(2, 0, 1, 3).reshape(context.shape[2], context.shape[0], -1)
+
+
+def attention_path(packed: bool) -> str:
+    """How core attention runs on this process's rows (``packed``: THD packs), in the start banner's
+    and ``benchmarks.gpu_smoke``'s words."""
+    from engine.models.gpt import use_transformer_engine
+
+    if use_transformer_engine():
+        return "Transformer Engine, packed rows by cu_seqlens (THD)" if packed else "Transformer Engine"
+    if packed:  # FusedLocalAttention above: SDPA takes the pack's [1, 1, T, T] mask, so no flash kernel
+        return "torch SDPA with each pack's dense block-causal mask (no varlen kernel without Transformer Engine)"
+    return "torch SDPA, causal"

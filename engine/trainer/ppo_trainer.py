@@ -24,6 +24,7 @@ from engine.algo.kl import apply_kl_penalty
 from engine.algo.rollout_correction import compute_rollout_correction
 from engine.algo.stats import masked_mean
 from engine.config import ExperimentConfig
+from engine.models.attention import attention_path
 from engine.models.checkpoint import save_peft_adapter
 from engine.data import PromptBatch
 from engine.rewards.combine import RewardScores, combine_rewards
@@ -56,7 +57,9 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
     if rank == 0:
         run.write_config(cfg)
     say(f"[trident] {trainer.project_name}/{trainer.experiment_name}: {run.summary()}")
-    say(f"[trident] {decide_device(trainer.device).banner()}")  # decided by launch.main, before CUDA was asked
+    # decided by launch.main, before CUDA was asked
+    say(f"[trident] {decide_device(trainer.device).banner()}; attention: "
+        f"{attention_path(cfg.actor_rollout_ref.model.use_remove_padding)}")
     profiler = StepProfiler(trainer.profile, rank, run.profile_dir)
     parts = build_components(cfg, run)
     with parts.checkpointed_parts_resident():
