@@ -43,7 +43,7 @@ def intended_events(engine: str | None, models: Sequence[str], steps: int, save_
 def recorded_events(log_file: Path, cfg: ExperimentConfig) -> list[dict]:
     """A rank's memory events, with each push's bucket count checked (> 0) and left out, and what
     each save found resident checked (``saved_with``) and left out."""
-    events = read_events(log_file)
+    events = [event for event in read_events(log_file) if event["event"] != "generate"]  # (check_invariants')
     for event in events:
         if event["event"] == "push":
             assert event.pop("buckets") > 0, event
@@ -77,14 +77,16 @@ def check_invariants(events: list[dict]) -> None:
     - an engine sizes its KV pool with nothing of training on the device: it starts before any
       model is built, and restarts only between ``training_state_off_device`` (every part of every
       model on the host) and ``training_state_back``;
-    - a checkpoint is saved while the engine's KV cache and CUDA graphs are released."""
+    - a checkpoint is saved while the engine's KV cache and CUDA graphs are released;
+    - an engine generates (a step, each dynamic-sampling round, validation) only with its weights and
+      KV cache resident."""
     engine: set[str] = set()  # the engine's tags resident on this rank's device (leaders only)
-    built = off_device = False
+    built = off_device = started = False
     for event in events:
         name = event["event"]
         if name == "start_engine":
             assert not built, f"an engine started after a model was built: {events}"
-            engine = set(EVERYTHING)
+            engine, started = set(EVERYTHING), True
         elif name == "build_model":
             built = True
         elif name in ("release", "resume"):
@@ -99,6 +101,8 @@ def check_invariants(events: list[dict]) -> None:
             engine = set(EVERYTHING)
         elif name == "save":
             assert not engine & {"kv_cache", "cuda_graph"}, f"a save beside the engine's {sorted(engine)}: {events}"
+        elif name == "generate" and started:  # (a rank without an engine of its own takes part only)
+            assert {"weights", "kv_cache"} <= engine, f"a generation with the engine's {sorted(engine)}: {events}"
 
 
 def check_run(cfg: ExperimentConfig, logs: dict[int, Path], steps: int) -> None:

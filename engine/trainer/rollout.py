@@ -154,6 +154,7 @@ def _start(rollout: "Rollout", prompts, params: SamplingParams, policy_version: 
     responses = None
     if not sync.disaggregated:
         mine = split_for_generation(_tasks(shard["prompts"], shard), sync.layout, dist.get_rank())
+        record("generate", prompts=len(mine))  # a step's, a dynamic-sampling round's or validation's
         local, seconds = _generate_colocated(rollout, mine, params)
         shard["responses"] = gather_generation_results(local, sync.groups)  # this DP rank's prompts, in order
         responses = (None, seconds)
