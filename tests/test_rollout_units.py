@@ -184,6 +184,23 @@ def test_weight_version_spans_cover_the_output_in_every_order_the_overlap_schedu
         assert sample.policy_versions == expected, (recorded, meta["weight_versions"])
 
 
+def test_an_abort_before_running_comes_without_routed_experts_and_is_kept():
+    """SGLang answers a request aborted before it ran without ``routed_experts`` (scheduler.py
+    ``send_abort_output``; with or without the overlap scheduler): the sample is kept, its experts
+    unreported (the trainer's router decides, ``engine.roles.routing``); any other finish without
+    them is still an error naming the server flag."""
+    from engine.rollout.base import RolloutError
+    from engine.rollout.sglang_engine import RoutedExpertsLayout, _parse_sample
+
+    layout = RoutedExpertsLayout(num_layers=2, topk=2, moe_layers=(0, 1))
+    aborted = {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}, "output_token_logprobs": []}}
+    sample = _parse_sample(aborted, 3, layout)
+    assert sample.routed_experts is None and sample.finish_reason == "abort"
+    stopped = {"output_ids": [5], "meta_info": {"finish_reason": {"type": "stop"}, "output_token_logprobs": [[-0.5, 5, None]]}}
+    with pytest.raises(RolloutError, match="--enable-return-routed-experts"):
+        _parse_sample(stopped, 3, layout)
+
+
 def test_free_ports_are_drawn_below_the_ephemeral_range_and_ignore_the_seed():
     """Ports that the OS hands out to bind(0) and to outgoing connections (the ephemeral range) could
     be taken by any process before a server binds them; ranks seeded alike still draw apart."""

@@ -232,11 +232,13 @@ def _parse_sample(item: dict[str, Any], prompt_length: int, routed_layout: Route
     if meta.get("weight_versions"):
         versions = _token_versions(meta["weight_versions"], len(token_ids))
     routed = None
-    if routed_layout is not None:
-        if not meta.get("routed_experts"):
-            raise RolloutError("SGLang returned no routed experts (was it started with --enable-return-routed-experts?)")
+    if routed_layout is not None and meta.get("routed_experts"):
         routed = routed_layout.decode(meta["routed_experts"], prompt_length + len(token_ids))
         routed = routed[:prompt_length + length - 1]
+    elif routed_layout is not None and reason != "abort":
+        raise RolloutError("SGLang returned no routed experts (was it started with --enable-return-routed-experts?)")
+    # An abort before the request ran comes without them (sglang scheduler.py send_abort_output builds
+    # no routed_experts): its tokens' rows stay unreported (-1), and the trainer routes them itself.
     return RolloutSample(token_ids[:length], log_probs[:length], reason, routed_experts=routed,
                          policy_versions=None if versions is None else versions[:length])
 
