@@ -239,8 +239,10 @@ def restart_memory(parts) -> dict[str, float]:
     after = device_memory()
     result = {"before_gb": before, "training_state_off_gb": inside, "after_gb": after}
     if torch.cuda.is_available():  # (on the CPU the offload copies to the same host memory)
+        from parallel.offload import PARTS
+
         held = sum(role.offloader.nbytes(part) for role in (parts.actor, parts.critic) if role is not None
-                   for part in ("params", "grads", "optimizer")) / GIB
+                   for part in PARTS) / GIB
         check(inside - before > 0.8 * held, f"taking the training state off freed {inside - before:.2f} GiB of its "
                                             f"{held:.2f} GiB: a restarted server would size its pool beside it")
     return result

@@ -187,12 +187,13 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
     if built.reward_model:
         reward_model = _build_reward_model(cfg, tokenizer)
 
-    offloaders = _offloaders(actor_role, reference, critic, reward_model.model if reward_model is not None else None)
+    trained_and_frozen = {"actor": actor_role, "reference": reference, "critic": critic}
+    offloaders = _offloaders({**trained_and_frozen, "reward_model": reward_model.model if reward_model else None})
     # the weight sync, and where a restarting server finds the training state; servers of their own start here
     rollout.connect(actor_role, training_state_off_device=lambda: training_state_off_device(offloaders))
     judge, judge_server = _start_judge(cfg, run) if cfg.reward_model.judge.enable else (None, None)
     dist.barrier(group=control_group())
-    _report_offload({"actor": actor_role, "reference": reference, "critic": critic})
+    _report_offload(_offloaders(trained_and_frozen))
 
     return PPOComponents(
         tokenizer=tokenizer, train_loader=train_loader, val_loader=val_loader, actor=actor_role, reference=reference,
@@ -205,42 +206,39 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
     )
 
 
-def _offloaders(*roles) -> list[ModelOffloader]:
-    """Each model's offloader once (the LoRA reference shares the actor's)."""
-    found: dict[int, ModelOffloader] = {}
-    for role in roles:
+def _offloaders(roles: dict[str, Any]) -> dict[str, ModelOffloader]:
+    """Each model's offloader once, by the first name it has (the LoRA reference shares the actor's)."""
+    found: dict[int, tuple[str, ModelOffloader]] = {}
+    for name, role in roles.items():
         if role is not None:
-            found.setdefault(id(role.offloader), role.offloader)
-    return list(found.values())
+            found.setdefault(id(role.offloader), (name, role.offloader))
+    return dict(found.values())
 
 
 @contextlib.contextmanager
-def training_state_off_device(offloaders: list[ModelOffloader]):
+def training_state_off_device(offloaders: dict[str, ModelOffloader]):
     """Every part of every model on the host inside the block, and this rank's cached memory handed
     back: the device as the colocated engine first found it, nothing of training on it. Afterwards
     each model is as between its phases (its enabled parts offloaded, the rest resident; gradients
     come back zeroed, as before every mini-batch)."""
-    for offloader in offloaders:
+    for offloader in offloaders.values():
         offloader.offload(*OFFLOAD_PARTS)
     hand_back_cache("training state off the device")
-    record("training_state_off_device", resident={str(i): o.resident_parts() for i, o in enumerate(offloaders)})
+    record("training_state_off_device", resident={name: o.resident_parts() for name, o in offloaders.items()})
     try:
         yield
     finally:
-        for offloader in offloaders:
+        for offloader in offloaders.values():
             offloader.reload(*OFFLOAD_PARTS)
             offloader.offload_enabled()
         record("training_state_back")
 
 
-def _report_offload(roles: dict) -> None:
+def _report_offload(offloaders: dict[str, ModelOffloader]) -> None:
     """One line naming what each model keeps in host memory between its phases, if anything."""
-    offloaders: dict[int, tuple[str, object]] = {}
-    for name, role in roles.items():  # the LoRA reference shares the actor's
-        if role is not None and role.offloader.enabled:
-            offloaders.setdefault(id(role.offloader), (name, role.offloader))
-    if offloaders:
-        parts = "; ".join(f"{name} {', '.join(offloader.enabled)}" for name, offloader in offloaders.values())
+    parts = "; ".join(f"{name} {', '.join(offloader.enabled)}" for name, offloader in offloaders.items()
+                      if offloader.enabled)
+    if parts:
         say(f"[trident] kept in host memory outside their phases: {parts}")
 
 
