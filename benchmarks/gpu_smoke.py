@@ -37,7 +37,9 @@ Before them, three gates, each with a CPU half that ``--cpu`` runs (issue 45's s
 - memory around the save (free device memory on a GPU, resident host memory on the CPU) and around
   what a server restart finds: ``training_state_off_device`` (``engine.trainer.components``) must
   give the device back what the training state held (on a GPU);
-- the attention path a packed row takes (``engine.models.attention.attention_path``).
+- the attention path a packed row takes (``engine.models.attention.attention_path``), and that path
+  run on a pack of 8 sequences against one causal SDPA call per sequence: on a GPU in bf16 through
+  torch's varlen flash kernel, where this torch has it (``packed_attention``).
 
 What a bare lent machine reaches (torch 2.11 cu130, transformers, pyarrow; megatron-core and
 omegaconf as wheels): all of the above with megatron's local layer spec and the ``torch-process``
@@ -280,6 +282,7 @@ def run(steps: int, cpu: bool, work: Path) -> dict[str, Any]:
         "rollout_engine": "torch-process (transformers generate, a process of its own on the same device)",
         "param_dtype": megatron.param_dtype, "rollout_dtype": cfg.actor_rollout_ref.rollout.dtype, "steps": [],
         "environment": gate, "attention_packed_rows": attention_path(packed=True),
+        "packed_attention": packed_attention(),
     }
     try:
         parts = build_components(cfg, run_dir)  # the engine first, released, then the models
@@ -322,6 +325,44 @@ def run(steps: int, cpu: bool, work: Path) -> dict[str, Any]:
             check(row[key] == row[key] and abs(row[key]) < float("inf"), f"step {row['step']}: {key} = {row[key]}")
     report["seconds"] = time.perf_counter() - started
     return report
+
+
+def packed_attention() -> dict[str, Any]:
+    """``engine.models.attention.packed_causal_attention`` on a random pack of 8 sequences (64-1024
+    tokens, 8 query and 2 key/value heads of 64), against a causal SDPA call per sequence in float32:
+    the largest difference, whether torch's varlen kernel ran, and both timings."""
+    import torch
+
+    from engine.models.attention import packed_causal_attention, uses_varlen_kernel
+
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(64, 1025, (8,), generator=generator).tolist()
+    q, k, v = (torch.randn(sum(lengths), heads, 64, generator=generator).to(device, dtype) for heads in (8, 2, 2))
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+    def per_sequence():
+        return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            *(t[a:b].float().transpose(0, 1) for t in (q, k, v)), is_causal=True, scale=0.125,
+            enable_gqa=True).transpose(0, 1) for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())])
+
+    def timed(function):
+        function()  # warm-up (kernel selection, allocator)
+        if cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        result = function()
+        if cuda:
+            torch.cuda.synchronize()
+        return result, time.perf_counter() - started
+
+    packed, packed_s = timed(lambda: packed_causal_attention(q, k, v, cu_seqlens, max(lengths), 0.125))
+    reference, reference_s = timed(per_sequence)
+    error = float((packed.float() - reference).abs().max())
+    check(error < (2e-2 if cuda else 1e-4), f"packed attention differs from per-sequence SDPA by {error:.3g}")
+    return {"tokens": sum(lengths), "varlen_kernel": uses_varlen_kernel(q), "max_abs_diff": error,
+            "packed_s": packed_s, "per_sequence_fp32_s": reference_s}
 
 
 def _step(cfg, parts, prompts, step: int, save=None) -> dict[str, Any]:

@@ -46,4 +46,5 @@ def test_gpu_smoke_flow_on_cpu(tmp_path):
     assert report["save_memory"]["before_gb"] > 0 and report["steps"][1]["timing_s/save"] > 0
     assert "timing_s/save" not in report["steps"][0]
     assert set(report["restart_memory"]) == {"before_gb", "training_state_off_gb", "after_gb"}
-    assert report["attention_packed_rows"].startswith("torch SDPA with each pack's dense block-causal mask")
+    assert report["attention_packed_rows"] == "torch SDPA per packed sequence, causal (THD by cu_seqlens, no mask)"
+    assert report["packed_attention"]["varlen_kernel"] is False and report["packed_attention"]["max_abs_diff"] < 1e-4

@@ -13,12 +13,13 @@ sequence parallelism). See :func:`packing_alignment`.
 The pad tokens sit at the *end* of their sequence and attention is causal, so they never
 influence a real token; the outputs at pad positions are dropped by :meth:`TokenLayout.unpack`.
 
-Attention backends: megatron-core's local ``DotProductAttention`` (the CPU layer spec) asserts
-``packed_seq_params is None``; only ``TEDotProductAttention`` (Transformer Engine, GPU) runs THD.
-Without TE the same packed row is run with :meth:`TokenLayout.block_causal_mask`, a
-``[1, 1, T, T]`` mask that lets each token see only the earlier tokens of its own sequence: the
-same attention pattern, so identical results (RoPE depends only on relative positions within a
-sequence, and megatron rotates by position in the row in both cases).
+Attention backends: megatron-core's local ``DotProductAttention`` asserts ``packed_seq_params is
+None``; ``TEDotProductAttention`` (Transformer Engine, GPU) runs THD, and so does
+``engine.models.attention.FusedLocalAttention`` (torch's varlen flash kernel on GPU, one causal SDPA
+call per sequence on CPU). The context-parallel stand-in without TE runs the same packed row with
+:meth:`TokenLayout.block_causal_mask`, a ``[1, 1, T, T]`` mask that lets each token see only the
+earlier tokens of its own sequence: the same attention pattern, so identical results (RoPE depends
+only on relative positions within a sequence).
 
 Without packing, rows are *left-aligned* (valid tokens first, padding after): causal attention
 alone then keeps real tokens from seeing padding on every backend, so no padding mask is needed.

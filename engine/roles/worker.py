@@ -11,8 +11,9 @@ Contract with the trainer (SPMD: every rank runs the same calls):
   rank returns the full ``[B, R]`` result (a few bytes per token, against a forward pass).
 
 Model inputs: with ``use_remove_padding`` each micro-batch is one THD-packed row
-(:func:`engine.batching.pack_sequences`: ``PackedSeqParams`` on Transformer Engine, an equivalent
-block-causal mask with megatron's local attention, which cannot run THD); otherwise rows are
+(:func:`engine.batching.pack_sequences`), which reaches core attention as ``PackedSeqParams`` (TE's
+attention, or ``engine.models.attention``'s varlen path without TE), or as one row with its
+block-causal mask for the context-parallel stand-in; otherwise rows are
 left-aligned so plain causal attention never sees padding. Pipeline stages may receive activations
 of a different shape every micro-batch, so ``variable_seq_lengths`` is switched on for PP > 1; the
 interleaved (VPP) schedule deadlocks with it in megatron-core 0.16.1, so there every micro-batch of a
@@ -41,6 +42,7 @@ from engine.batching import (
     token_budget_micro_batches,
 )
 from engine.config.model import OptimConfig
+from engine.models.attention import packs_by_cu_seqlens
 from engine.roles import load_balancing
 from engine.roles.optim import gather_updated_weights
 from engine.roles.batch import RolloutBatch
@@ -88,7 +90,7 @@ class ModelInputs:
     input_ids: torch.Tensor  # [rows, width] (this rank's tokens under CP)
     labels: torch.Tensor  # next-token ids, [rows, width]
     position_ids: torch.Tensor
-    # Megatron's local attention cannot run THD: a packed row there needs its block-causal mask, made
+    # The CP stand-in (no TE) cannot run THD: a packed row there needs its block-causal mask, made
     # per forward pass (``attention_mask()``) so that it lives only as long as the pass that uses it.
     block_causal: bool
     packed_seq_params: object | None
@@ -213,7 +215,8 @@ class MegatronWorker:
     def model_inputs(self, layout: TokenLayout) -> ModelInputs:
         rows, width = layout.input_ids.shape
         position_ids = torch.arange(width, device=layout.input_ids.device).unsqueeze(0).expand(rows, -1)
-        packed_seq_params = layout.packed_seq_params() if layout.is_packed and self.transformer_engine else None
+        by_cu_seqlens = layout.is_packed and packs_by_cu_seqlens(self.transformer_engine, self.cp_size)
+        packed_seq_params = layout.packed_seq_params() if by_cu_seqlens else None
         padding_mask = None
         if self.model_config.num_moe_experts:
             padding_mask = torch.ones_like(layout.input_ids, dtype=torch.bool)

@@ -58,8 +58,8 @@ def run_ppo(cfg: ExperimentConfig) -> dict[str, float]:
         run.write_config(cfg)
     say(f"[trident] {trainer.project_name}/{trainer.experiment_name}: {run.summary()}")
     # decided by launch.main, before CUDA was asked
-    say(f"[trident] {decide_device(trainer.device).banner()}; attention: "
-        f"{attention_path(cfg.actor_rollout_ref.model.use_remove_padding)}")
+    packed, cp = cfg.actor_rollout_ref.model.use_remove_padding, cfg.actor_rollout_ref.actor.megatron.context_parallel_size
+    say(f"[trident] {decide_device(trainer.device).banner()}; attention: {attention_path(packed, cp)}")
     profiler = StepProfiler(trainer.profile, rank, run.profile_dir)
     parts = build_components(cfg, run)
     with parts.checkpointed_parts_resident():
