@@ -1,4 +1,5 @@
-"""How long a checkpoint save stops training: synchronous vs ``trainer.checkpoint.async_save``.
+"""What a checkpoint save costs: synchronous vs ``trainer.checkpoint.async_save``, and the two
+distributed-optimizer formats (``trainer.checkpoint.optimizer_format``).
 
     python -m benchmarks.checkpoint --out DIR [--ranks 2] [--hidden 512] [--layers 8] [--repeats 2]
 
@@ -16,7 +17,17 @@ in both modes, alternately, in the same processes (so the baseline is measured b
   machine's cores and disk);
 - ``training_lost_s`` = ``stall_s`` + ``slowdown_s``: what the save cost the training loop.
 
-Each mode's numbers are the median over ``--repeats`` saves (after one warm-up save of each).
+Then each optimizer format, saved synchronously (issue 45, defect 6):
+
+- ``save_s``: the save's time;
+- ``host_peak_gb``: the largest rise of a rank's resident host memory during the save over its
+  resident memory before (sampled every 2 ms; the largest over the ranks): ``fully_reshardable``
+  gathers the whole data-parallel group's Adam state on every rank, ``dp_reshardable`` writes each
+  rank's shard as it is;
+- ``device_peak_gb`` (GPUs): the same for allocated device memory;
+- ``checkpoint_bytes``.
+
+Each number is the median over ``--repeats`` saves (after one warm-up save of each).
 Writes ``DIR/checkpoint.json`` and prints it; the checkpoints themselves are deleted at the end.
 """
 from __future__ import annotations
@@ -37,6 +48,7 @@ import torch
 SEQ = 128
 MICRO_BATCHES = 2
 MODES = ("sync", "async")
+SAMPLE_S = 0.002
 
 
 def hf_config(args):
@@ -114,10 +126,50 @@ def measure(manager, targets, train_step, step: int, baseline_step_s: float) -> 
             "training_lost_s": stall + slowdown}
 
 
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def save_with_peaks(manager, targets, step: int) -> dict:
+    """One synchronous save, timed, with the rise of resident host memory (and allocated device
+    memory) it caused on this rank, the largest over the ranks."""
+    import threading
+
+    import torch.distributed as dist
+
+    before, peak, done = resident_bytes(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], resident_bytes())
+            done.wait(SAMPLE_S)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    device_before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    sampler.start()
+    started = time.perf_counter()
+    final_dir = manager.save(step, targets, extra_state={"step": step})
+    seconds = time.perf_counter() - started
+    done.set()
+    sampler.join()
+    device_peak = torch.cuda.max_memory_allocated() - device_before if torch.cuda.is_available() else 0
+    rises = torch.tensor([float(max(peak[0], resident_bytes()) - before), float(device_peak), seconds])
+    dist.all_reduce(rises, op=dist.ReduceOp.MAX)
+    from engine.trainer.checkpoint import MANIFEST_KEY, read_checkpoint_metadata
+
+    size = sum(size for size, _ in read_checkpoint_metadata(final_dir)[MANIFEST_KEY].values())
+    return {"save_s": rises[2].item(), "host_peak_gb": rises[0].item() / 2**30,
+            "device_peak_gb": rises[1].item() / 2**30, "checkpoint_bytes": size}
+
+
 def worker(args) -> None:
     import torch.distributed as dist
 
-    from engine.trainer.checkpoint import CheckpointManager, MANIFEST_KEY, read_checkpoint_metadata
+    from engine.config.trainer import OPTIMIZER_FORMATS
+    from engine.trainer.checkpoint import CheckpointManager, MANIFEST_KEY, latest_checkpoint, read_checkpoint_metadata
     from parallel.layout import ParallelLayout
     from parallel.state import destroy_model_parallel, initialize_model_parallel
 
@@ -138,8 +190,17 @@ def worker(args) -> None:
                 results[mode].append(measured)
     for manager in managers.values():
         manager.close()
+    by_format = {name: CheckpointManager(Path(args.out) / "checkpoints" / name, optimizer_format=name)
+                 for name in OPTIMIZER_FORMATS}
+    formats: dict[str, list[dict]] = {name: [] for name in OPTIMIZER_FORMATS}
+    for repeat in range(args.repeats + 1):
+        for name, manager in by_format.items():
+            step += 1
+            measured = save_with_peaks(manager, targets, step)
+            if repeat:
+                formats[name].append(measured)
     if dist.get_rank() == 0:
-        latest = read_checkpoint_metadata(Path(args.out) / "checkpoints" / "sync" / f"step_{step - 1}")
+        latest = read_checkpoint_metadata(latest_checkpoint(Path(args.out) / "checkpoints" / "sync"))
         report = {
             "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
                         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"},
@@ -148,6 +209,8 @@ def worker(args) -> None:
             "baseline_step_s": baseline, "repeats": args.repeats,
             "modes": {mode: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
                       for mode, runs in results.items()},
+            "optimizer_formats": {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+                                  for name, runs in formats.items()},
         }
         Path(args.out, "checkpoint.json").write_text(json.dumps(report, indent=2))
         print(json.dumps(report, indent=2))

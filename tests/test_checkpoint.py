@@ -26,9 +26,10 @@ def runs(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("ckpt")
     out = workdir / "out"
     out.mkdir()
-    for phase in ("reference", "resume"):
-        run_torchrun("ckpt_worker.py", 2, ["--phase", phase, "--workdir", str(workdir), "--out", str(out)], timeout=300)
-    return {phase: torch.load(out / f"{phase}.pt", weights_only=False) for phase in ("reference", "resume")}
+    phases = {"reference": 2, "dp1": 1, "resume": 2}  # ranks; dp1 reads step_2 before resume prunes it
+    for phase, ranks in phases.items():
+        run_torchrun("ckpt_worker.py", ranks, ["--phase", phase, "--workdir", str(workdir), "--out", str(out)], timeout=300)
+    return {phase: torch.load(out / f"{phase}.pt", weights_only=False) for phase in phases}
 
 
 def _max_weight_difference(a, b):
@@ -81,6 +82,36 @@ def test_checkpoint_saved_at_tp2_loads_into_tp1(runs):
         assert reference["tp1_step3"][model] == pytest.approx(reference["tp2_step3"][model], rel=1e-6)
         assert reference["tp1_eval_after_step3"][model] == pytest.approx(reference["tp2_eval_after_step3"][model], rel=1e-5)
     assert reference["tp1_adam_steps"] == [3.0] * len(reference["tp1_adam_steps"])
+
+
+@pytest.mark.dist
+def test_the_optimizer_is_saved_by_shard_and_resumes_at_another_data_parallel_size(runs):
+    """Issue 45, defect 6 (``engine/trainer/checkpoint.py:70`` saved ``fully_reshardable``, which
+    all-gathers the Adam state to every DP rank, distrib_optimizer.py:1404-1470): the default is
+    ``dp_reshardable``, each rank's shard of the buckets as it is. Saved at DP2 with three gradient
+    buckets per buffer, it resumes at DP1 and trains on as the uninterrupted DP2 run did."""
+    reference, dp1 = runs["reference"], runs["dp1"]
+    assert dp1["format"] == "dp_reshardable" and dp1["resumed_from"].endswith("step_2")
+    assert all(len(buckets) >= 3 for model in dp1["grad_buckets"].values() for buckets in model)
+    assert dp1["adam_steps_after_load"] == [2.0] * len(dp1["adam_steps_after_load"])
+    assert dp1["adam_steps"] == [4.0] * len(dp1["adam_steps"])
+    for resumed, uninterrupted in zip(dp1["losses"], reference["losses"][2:]):
+        assert resumed == pytest.approx(uninterrupted, rel=1e-5)
+
+
+@pytest.mark.dist
+def test_formats_that_cannot_hold_the_state_are_refused_by_name(runs):
+    """dp_reshardable is tied to its tensor-parallel layout: loaded at TP1 from TP2 it stops with the
+    way out, before reading a byte (the fully_reshardable copy of the same state loads, above).
+    fully_reshardable with several buckets would be saved wrong by megatron-core 0.16.1
+    (distrib_optimizer.py:1112-1118 vs 1479-1501): refused before anything is written."""
+    reference = runs["reference"]
+    message = reference["tp1_refused_dp_reshardable"]
+    assert "saved as dp_reshardable" in message and "tensor_model_parallel_size (2 saved, 1 here)" in message
+    assert "trainer.checkpoint.optimizer_format=fully_reshardable" in message
+    message = reference["refused_fully_reshardable"]
+    assert "several gradient buckets" in message and "NVIDIA/Megatron-LM#5077" in message
+    assert "actor" in message and "critic" in message and not reference["dp2_full_written"]
 
 
 @pytest.mark.dist

@@ -7,6 +7,8 @@ LOGGERS = ("console", "tensorboard", "jsonl", "wandb", "mlflow")
 # Loggers whose packages are optional extras: logger -> (modules it imports, the pip extra).
 LOGGER_EXTRAS = {"wandb": (("wandb",), "wandb"), "mlflow": (("mlflow", "sqlalchemy"), "mlflow")}
 RESUME_MODES = ("auto", "disable", "resume_path")
+# megatron's distributed-optimizer checkpoint formats (engine.trainer.checkpoint); the first is the default
+OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")
 PROFILE_TOOLS = ("torch", "nvtx")
 
 
@@ -38,9 +40,18 @@ class CheckpointConfig:
             while each rank's tensors are copied aside; a background process writes them, and the
             checkpoint becomes complete (manifest, rename, ``latest``) at the first step boundary
             after every rank has finished. At most one save is in flight; the run's end waits for it.
+        optimizer_format: how the distributed optimizer's Adam state is stored (megatron's formats).
+            "dp_reshardable" (default): each rank writes its own shard, no gather; resumes at any
+            data-parallel size, at the saved tensor/pipeline/context/expert layout only.
+            "fully_reshardable": gathered over data parallelism and stored per parameter, resumes at
+            any layout, at the cost of the whole model-parallel shard's state in every data-parallel
+            rank's host memory during the save; refused for models with several gradient buckets
+            (a megatron-core 0.16.1 bug, ``engine.trainer.checkpoint``). A checkpoint loads in the
+            format it was saved in, whatever this key says.
     """
 
     async_save: bool = False
+    optimizer_format: str = OPTIMIZER_FORMATS[0]
 
 
 @dataclass

@@ -25,7 +25,7 @@ from engine.config.errors import ConfigError
 from engine.config.experiment import ExperimentConfig
 from engine.config.model import LR_DECAY_STYLES, PARAM_DTYPES, MegatronConfig, OptimConfig
 from engine.config.reward_model import COMBINE_MODES
-from engine.config.trainer import LOGGER_EXTRAS, LOGGERS, PROFILE_TOOLS, RESUME_MODES
+from engine.config.trainer import LOGGER_EXTRAS, LOGGERS, OPTIMIZER_FORMATS, PROFILE_TOOLS, RESUME_MODES
 from parallel.device import DEVICES
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ def _check_choices(config: ExperimentConfig) -> None:
         ("reward_model.combine.mode", config.reward_model.combine.mode, COMBINE_MODES),
         ("reward_model.judge.model.dtype", config.reward_model.judge.model.dtype, ROLLOUT_DTYPES),
         ("trainer.resume_mode", trainer.resume_mode, RESUME_MODES),
+        ("trainer.checkpoint.optimizer_format", trainer.checkpoint.optimizer_format, OPTIMIZER_FORMATS),
         ("trainer.device", trainer.device, DEVICES),
         ("trainer.profile.tool", trainer.profile.tool, PROFILE_TOOLS),
     ]

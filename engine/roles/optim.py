@@ -14,6 +14,10 @@ import torch
 
 from engine.config.model import OptimConfig
 
+# Elements per gradient bucket with overlap_grad_reduce: megatron's default for up to 40 DP ranks.
+GRAD_BUCKET_ELEMENTS = 40_000_000
+
+
 def is_half_precision(model_config) -> bool:
     """Whether a megatron ``TransformerConfig`` holds 16-bit (bf16 / fp16) parameters."""
     return bool(model_config.bf16 or model_config.fp16)
@@ -44,6 +48,9 @@ def wrap_for_training(model_chunks: Sequence[torch.nn.Module], use_distributed_o
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=use_distributed_optimizer, grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+        # megatron's default grows with DP past 40 ranks (distributed_data_parallel.py:64-65); fixed, a
+        # dp_reshardable optimizer checkpoint (stored by bucket) resumes at any DP size
+        bucket_size=GRAD_BUCKET_ELEMENTS if overlap_grad_reduce else None,
         # Interleaved chunks: the schedule starts each chunk's gather (param_sync_func below); one
         # chunk: each bucket's forward hook starts the next bucket's gather.
         align_param_gather=overlap_param_gather and len(model_chunks) > 1,

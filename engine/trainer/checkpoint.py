@@ -27,12 +27,28 @@ A damaged one (a truncated or changed shard, a missing file) is skipped for the 
 that checks out, and the terminal says which and why; ``resume_mode=resume_path`` naming a damaged
 checkpoint stops with that message instead.
 
-Model weights and optimizer state are stored in model space (one tensor per parameter, whole
-across tensor/pipeline/data parallelism), so a checkpoint loads into a different TP/PP/VPP/DP
-layout than it was saved from: megatron's dist_checkpointing reads each rank's new shard. The
-distributed optimizer uses the ``fully_reshardable`` format: its default
-(``fully_sharded_model_space``) fails on the CPU path (``ShardedTensor.flattened_range is not
-supported``) and is deprecated upstream.
+Model weights are stored in model space (one tensor per parameter, whole across tensor/pipeline/data
+parallelism), so they load into a different TP/PP/VPP/DP layout than they were saved from:
+megatron's dist_checkpointing reads each rank's new shard. The distributed optimizer's state is
+stored in one of two megatron formats (``trainer.checkpoint.optimizer_format``):
+
+- ``dp_reshardable`` (the default, Megatron-LM's): each rank writes its own shard of the optimizer's
+  gradient buckets as they are, with no gather and no copy. It loads at any data-parallel size, but
+  only at the saved tensor/pipeline/context/expert layout and gradient buckets
+  (``BUCKET_LAYOUT_KEYS``; ``load`` refuses anything else by name, before reading a byte).
+- ``fully_reshardable``: the state is all-gathered over data parallelism and stored per parameter,
+  so it loads at any layout; the gather holds the whole model-parallel shard's Adam state on every
+  data-parallel rank (host memory: about 16 bytes per parameter of the shard, ~48 GB per rank for 8B
+  at TP2) and copies it one parameter at a time. megatron-core 0.16.1 misplaces the state of every
+  gradient bucket after the first in this format (``get_parameter_state_dp_zero`` packs buckets
+  without their end padding, ``sharded_param_state_fully_reshardable`` slices with it:
+  distrib_optimizer.py:1112-1118 vs 1479-1501; fixed upstream by NVIDIA/Megatron-LM#5077), so a
+  model with several buckets is refused in it (:func:`optimizer_format_problem`).
+
+The format a checkpoint was saved in is read from its ``trident_checkpoint.json`` at load, as
+Megatron-LM reads it from the checkpoint's content metadata (``training/checkpointing.py``). The
+distributed optimizer's own default (``fully_sharded_model_space``) fails on the CPU path
+(``ShardedTensor.flattened_range is not supported``) and is deprecated upstream.
 
 All ranks share one file system (dist_checkpointing requires it for multi-node jobs as well).
 """
@@ -56,6 +72,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from engine.config.trainer import OPTIMIZER_FORMATS, RESUME_MODES
 from engine.trainer.console import say
 from parallel import cpu_compat
 from parallel.state import control_group
@@ -67,11 +84,14 @@ METADATA_FILE = "trident_checkpoint.json"
 EXTRA_STATE_FILE = "extra_state.pt"
 RNG_DIR = "rng"
 FORMAT_VERSION = 1
-DISTRIBUTED_OPTIMIZER_FORMAT = "fully_reshardable"
+# What a dp_reshardable optimizer state is tied to: its tensors are the distributed optimizer's
+# gradient buckets, keyed by model-parallel rank (distrib_optimizer.py:1539-1687, 1772-1783).
+BUCKET_LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                      "virtual_pipeline_model_parallel_size", "context_parallel_size",
+                      "expert_model_parallel_size", "expert_tensor_parallel_size")
 # What a checkpoint writes of a trained model: its weights and its optimizer's state. Gradients are
 # zeroed before every mini-batch, so a save (and a load) leaves them where they are, offloaded or not.
 CHECKPOINTED_PARTS = ("params", "optimizer")
-RESUME_MODES = ("auto", "disable", "resume_path")
 MANIFEST_KEY = "files"  # in METADATA_FILE: relative path -> [size in bytes, SHA-256]
 # A first save's size from its models' tensors: each trained element also has an fp32 main copy
 # and Adam's two moments in the checkpoint; a margin covers the files' own headers and metadata.
@@ -341,6 +361,7 @@ def _fill_missing_adam_state(optimizer: Any) -> None:
                 state.setdefault("exp_avg_sq", torch.zeros_like(param, memory_format=torch.preserve_format))
 
 
+@torch.no_grad()  # dp_reshardable's load copies into fp32 models' own parameters (their main params)
 def _load_optimizer_state(optimizer: Any, state_dict: Any) -> None:
     """``optimizer.load_state_dict(state_dict)``, with the workaround for bugs 2 and 3 above."""
     parts = _optimizer_parts(optimizer)
@@ -351,15 +372,17 @@ def _load_optimizer_state(optimizer: Any, state_dict: Any) -> None:
     part_states = [state_dict] if len(parts) == 1 else [state_dict[index] for index in sorted(state_dict)]
     for part, part_state in zip(parts, part_states):
         adam = _torch_adam_of(part)
-        if adam is None or part_state.get("param_state_sharding_type") != DISTRIBUTED_OPTIMIZER_FORMAT:
+        sharding_type = part_state.get("param_state_sharding_type")
+        if adam is None or sharding_type not in OPTIMIZER_FORMATS:
             part.load_state_dict(part_state)
             continue
         part_state = dict(part_state)
         param_state = part_state.pop("param_state")
         del part_state["param_state_sharding_type"]
         part.load_state_dict(part_state)  # param groups (lr, wd, the saved step) and grad scaler
+        # dp_reshardable's entries carry the step the optimizer had before the load; set aside too
         steps = {param: state.pop("step") for param, state in adam.state.items()}
-        part.load_parameter_state_from_fully_reshardable(param_state)  # main params, exp_avg, exp_avg_sq
+        getattr(part, f"load_parameter_state_from_{sharding_type}")(param_state)  # main params, exp_avg(_sq)
         for param, state in adam.state.items():
             state["step"] = steps[param].detach().clone()
 
@@ -398,18 +421,43 @@ def _load_model_state(chunk: torch.nn.Module, state: dict[str, Any]) -> None:
                               f"unexpected {result.unexpected_keys[:5]}")
 
 
-def _target_sharded_state_dict(target: CheckpointTarget, *, is_loading: bool, with_optimizer: bool) -> dict[str, Any]:
+def _target_sharded_state_dict(target: CheckpointTarget, *, is_loading: bool, with_optimizer: bool,
+                               optimizer_format: str) -> dict[str, Any]:
     model_state = _model_sharded_state_dict(target.model_chunks)
     state: dict[str, Any] = {"model": model_state}
     if with_optimizer and target.optimizer is not None:
         _fill_missing_adam_state(target.optimizer)
         state["optimizer"] = target.optimizer.sharded_state_dict(
             model_state, is_loading=is_loading,
-            metadata={"distrib_optim_sharding_type": DISTRIBUTED_OPTIMIZER_FORMAT},
+            metadata={"distrib_optim_sharding_type": optimizer_format},
         )
+        if not is_loading:
+            _zero_bucket_padding(state["optimizer"])
     if with_optimizer and target.lr_scheduler is not None:
         state["lr_scheduler"] = target.lr_scheduler.state_dict()
     return state
+
+
+def _zero_bucket_padding(state: Any) -> None:
+    """Zeros in the gaps between parameters of a dp_reshardable bucket, which megatron fills with
+    ``torch.empty`` (distrib_optimizer.py:1632-1636): the same state then gives the same bytes (the
+    asynchronous save's files equal the synchronous save's, and a manifest hash means the state)."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+
+    if isinstance(state, dict):
+        padding = state.get("padding")
+        if isinstance(padding, LocalNonpersistentObject) and padding.obj:
+            for value in state.values():
+                if isinstance(value, ShardedTensor):
+                    value.data.zero_()
+            return
+        values = state.values()
+    elif isinstance(state, (list, tuple)):
+        values = state
+    else:
+        return
+    for value in values:
+        _zero_bucket_padding(value)
 
 
 def _layout_of_this_rank() -> dict[str, Any]:
@@ -422,7 +470,40 @@ def _layout_of_this_rank() -> dict[str, Any]:
         "virtual_pipeline_model_parallel_size": parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         "context_parallel_size": parallel_state.get_context_parallel_world_size(),
         "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+        "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
+        "expert_tensor_parallel_size": parallel_state.get_expert_tensor_parallel_world_size(),
     }
+
+
+def grad_buckets(target: CheckpointTarget) -> list[list[int]]:
+    """Each gradient buffer's buckets (elements, without the end padding) of this rank's chunks of
+    ``target``: what a dp_reshardable optimizer state is stored as. Empty without megatron's DDP."""
+    buffers = [buffer for chunk in target.model_chunks
+               for buffer in [*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", [])]]
+    return [[bucket.numel_unpadded for bucket in buffer.buckets] for buffer in buffers]
+
+
+def optimizer_format_problem(optimizer_format: str, models: Mapping[str, CheckpointTarget]) -> str | None:
+    """Why ``models`` cannot be saved in ``optimizer_format``, or None (collective: every rank's
+    buckets count, and every rank gets the same answer)."""
+    if optimizer_format not in OPTIMIZER_FORMATS:
+        return (f"trainer.checkpoint.optimizer_format={optimizer_format!r} is not one of "
+                f"{', '.join(OPTIMIZER_FORMATS)}")
+    if optimizer_format != "fully_reshardable":
+        return None
+    several = [name for name, target in models.items() if target.optimizer is not None
+               and any(len(buckets) > 1 for buckets in grad_buckets(target))]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, several, group=control_group())
+        several = sorted({name for names in gathered for name in names})
+    if not several:
+        return None
+    return (f"trainer.checkpoint.optimizer_format=fully_reshardable: the distributed optimizer of "
+            f"{', '.join(several)} has several gradient buckets, and megatron-core 0.16.1 saves every bucket "
+            "after the first at the wrong offsets in this format (distrib_optimizer.py:1112-1118 vs 1479-1501, "
+            "fixed upstream by NVIDIA/Megatron-LM#5077); use trainer.checkpoint.optimizer_format=dp_reshardable "
+            "(resumable at any data-parallel size)")
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -503,9 +584,14 @@ class CheckpointManager:
     """
 
     def __init__(self, checkpoints_dir: str | Path, *, max_ckpt_to_keep: int | None = None,
-                 fully_parallel: bool = True, async_save: bool = False) -> None:
+                 fully_parallel: bool = True, async_save: bool = False,
+                 optimizer_format: str = OPTIMIZER_FORMATS[0]) -> None:
         if max_ckpt_to_keep is not None and max_ckpt_to_keep < 1:
             raise ValueError(f"trainer.max_ckpt_to_keep must be >= 1 or null, got {max_ckpt_to_keep}")
+        if optimizer_format not in OPTIMIZER_FORMATS:
+            raise ValueError(f"trainer.checkpoint.optimizer_format must be one of {OPTIMIZER_FORMATS}, "
+                             f"got {optimizer_format!r}")
+        self.optimizer_format = optimizer_format
         self.checkpoints_dir = Path(checkpoints_dir)
         self.max_ckpt_to_keep = max_ckpt_to_keep
         self.fully_parallel = fully_parallel
@@ -526,6 +612,9 @@ class CheckpointManager:
         for name in models:
             if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name == RNG_DIR:
                 raise ValueError(f"model name {name!r} must be a plain folder name (letters, digits, _ . -), not {RNG_DIR!r}")
+        problem = optimizer_format_problem(self.optimizer_format, models)
+        if problem is not None:
+            raise CheckpointError(problem)
         started = time.perf_counter()
         rng_state = capture_rng_state()  # the step boundary's, before the writers (and what they draw) start
         final_dir = self.checkpoints_dir / step_dir_name(step)
@@ -541,14 +630,16 @@ class CheckpointManager:
 
         layouts, requests = {}, []
         for name, target in models.items():
-            state = _target_sharded_state_dict(target, is_loading=False, with_optimizer=True)
+            state = _target_sharded_state_dict(target, is_loading=False, with_optimizer=True,
+                                               optimizer_format=self.optimizer_format)
             requests.append(dist_checkpointing.save(state, str(tmp_dir / name), async_sharded_save=self.async_save,
                                                     sharded_strategy=_save_strategy(self.fully_parallel)))
             layouts[name] = _layout_of_this_rank()
         _write_rank_state(tmp_dir, rng_state, extra_state)
         metadata = {
             "format_version": FORMAT_VERSION, "step": step, "models": sorted(models), "layouts": layouts,
-            "distributed_optimizer_format": DISTRIBUTED_OPTIMIZER_FORMAT,
+            "distributed_optimizer_format": self.optimizer_format,
+            "grad_buckets": {name: grad_buckets(target) for name, target in models.items()},  # rank 0's
             "has_optimizer": {name: t.optimizer is not None for name, t in models.items()},
         }
         publish = partial(self._publish, tmp_dir, final_dir, metadata, started)
@@ -693,7 +784,12 @@ class CheckpointManager:
             saved, now = metadata["layouts"][name], _layout_of_this_rank()
             if saved != now:
                 logger.info("resharding %s from %s to %s", name, saved, now)
-            request = _target_sharded_state_dict(target, is_loading=True, with_optimizer=with_optimizer)
+            # saved before the key existed: megatron's fully_reshardable, the only format then
+            optimizer_format = metadata.get("distributed_optimizer_format", "fully_reshardable")
+            if with_optimizer and optimizer_format == "dp_reshardable":
+                self._check_bucket_layout(checkpoint_dir / name, saved, metadata.get("grad_buckets", {}).get(name), target)
+            request = _target_sharded_state_dict(target, is_loading=True, with_optimizer=with_optimizer,
+                                                 optimizer_format=optimizer_format)
             model_dir = checkpoint_dir / name
             loaded = dist_checkpointing.load(request, str(model_dir),
                                              sharded_strategy=_load_strategy(self.fully_parallel, model_dir))
@@ -714,6 +810,31 @@ class CheckpointManager:
         logger.info("loaded checkpoint %s (models %s) in %.1f s", checkpoint_dir, sorted(models),
                     time.perf_counter() - started)
         return extra_state
+
+
+    @staticmethod
+    def _check_bucket_layout(model_dir: Path, saved: dict[str, Any], saved_buckets: list | None,
+                             target: CheckpointTarget) -> None:
+        """A dp_reshardable optimizer state loads only where its buckets are the saved ones: the same
+        model-parallel layout (the data-parallel size may change) and gradient buckets (collective)."""
+        now = _layout_of_this_rank()
+        changed = {key: (saved[key], now[key]) for key in BUCKET_LAYOUT_KEYS if key in saved and saved[key] != now[key]}
+        how = ("resume once at the saved layout with trainer.checkpoint.optimizer_format=fully_reshardable "
+               "and save, then change the layout")
+        if changed:
+            raise CheckpointError(
+                f"{model_dir}: its optimizer state was saved as dp_reshardable, which loads at another "
+                f"data-parallel size but not another "
+                + ", ".join(f"{key} ({was} saved, {this} here)" for key, (was, this) in changed.items())
+                + f"; {how}")
+        problem = None
+        if _rank() == 0 and saved_buckets is not None and grad_buckets(target) != saved_buckets:
+            problem = (f"{model_dir}: its optimizer state was saved as dp_reshardable with gradient buckets "
+                       f"{saved_buckets} (elements), this run's are {grad_buckets(target)} (a changed "
+                       f"overlap_grad_reduce or model); {how}")
+        problem = _broadcast_from_rank0(problem)
+        if problem is not None:
+            raise CheckpointError(problem)
 
 
 def _tensor_bytes(models: Mapping[str, CheckpointTarget]) -> int:

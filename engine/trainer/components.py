@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from engine.algo.kl import build_kl_controller
 from engine.config import ExperimentConfig, MegatronConfig, ModelConfig
+from engine.config.errors import ConfigError
 from engine.config.loader import ulysses_meaning
 from engine.data import PromptDataLoader, PromptDataset
 from engine.rollout.agentic.tools import tool_schemas
@@ -31,7 +32,7 @@ from engine.rewards.spmd import reward_manager_for_this_rank
 from engine.roles import MegatronActor, MegatronCritic, MicroBatchConfig, ReferencePolicy
 from engine.rollout.memory import hand_back_cache, record
 from engine.rollout.sglang_server import SGLangServer
-from engine.trainer.checkpoint import CHECKPOINTED_PARTS, CheckpointManager, CheckpointTarget
+from engine.trainer.checkpoint import CHECKPOINTED_PARTS, CheckpointManager, CheckpointTarget, optimizer_format_problem
 from engine.trainer.console import say
 from engine.trainer.rollout import Rollout
 from engine.trainer.run_dir import RunDirectory
@@ -195,15 +196,21 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
     dist.barrier(group=control_group())
     _report_offload(_offloaders(trained_and_frozen))
 
-    return PPOComponents(
+    parts = PPOComponents(
         tokenizer=tokenizer, train_loader=train_loader, val_loader=val_loader, actor=actor_role, reference=reference,
         critic=critic, rollout=rollout, rewards=rewards, scores_rules=scores_rules,
         reward_model=reward_model, judge=judge, judge_server=judge_server,
         kl_controller=build_kl_controller(cfg.algorithm.kl_ctrl),
         checkpoints=CheckpointManager(run.checkpoints_dir, max_ckpt_to_keep=cfg.trainer.max_ckpt_to_keep,
-                                      async_save=cfg.trainer.checkpoint.async_save),
+                                      async_save=cfg.trainer.checkpoint.async_save,
+                                      optimizer_format=cfg.trainer.checkpoint.optimizer_format),
         total_training_steps=total_steps,
     )
+    # at start rather than at the first save, hours in
+    problem = optimizer_format_problem(cfg.trainer.checkpoint.optimizer_format, parts.checkpoint_targets())
+    if problem is not None:
+        raise ConfigError(problem)
+    return parts
 
 
 def _offloaders(roles: dict[str, Any]) -> dict[str, ModelOffloader]:

@@ -1,11 +1,12 @@
 """Worker: checkpoints of a tiny megatron actor + critic (distributed optimizer, torch Adam fallback).
 
-Phases (``--phase``), each one torchrun launch on 2 ranks:
+Phases (``--phase``), each one torchrun launch on 2 ranks (``dp1`` on one):
 
 ``reference``: at DP2, train 4 steps uninterrupted, saving a checkpoint after step 2; record the
     losses and final weights. Then, in the same processes, train at TP2, save, re-initialise the
     parallel state at TP1 (DP2), load that checkpoint and record eval losses of both layouts
     before and after one more training step; finally round-trip the non-distributed optimizer.
+``dp1``: one rank resumes the reference run's step-2 checkpoint at DP1 and trains steps 3-4.
 ``resume``: a fresh world at DP2 resumes from the reference run's step-2 checkpoint
     (``resume_mode=auto``), trains steps 3-4 (saving after each, ``max_ckpt_to_keep=2``), then
     exports the actor as an HF folder, then crashes inside the save of step 5 and checks the
@@ -21,6 +22,7 @@ import torch
 
 SEQ = 16
 GLOBAL_BATCH = 4
+BUCKET_ELEMENTS = 20_000  # the tiny models' ~50k parameters in three buckets each
 
 
 def tiny_hf_config():
@@ -35,12 +37,14 @@ def tiny_hf_config():
 class Run:
     """Actor (LM loss) and critic (regression of values to 0.5) with megatron DDP + distributed Adam."""
 
-    def __init__(self, layout, seed: int = 3, distributed_optimizer: bool = True):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    def __init__(self, layout, seed: int = 3, distributed_optimizer: bool = True, buckets: bool = False):
+        """``buckets``: the gradients in several buckets (overlap_grad_reduce, GRAD_BUCKET_ELEMENTS) as
+        every production-size model has them; else one per buffer."""
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         from engine.models.gpt import build_model_chunks
+        from engine.roles.optim import wrap_for_training
         from engine.trainer.checkpoint import CheckpointTarget
         from parallel.state import initialize_model_parallel
 
@@ -49,10 +53,7 @@ class Run:
         for name, value_head in (("actor", False), ("critic", True)):
             # The default padding (lcm(128, TP) rows) gives the same embedding shape at TP1 and TP2.
             chunks = build_model_chunks(tiny_hf_config(), layout, value_head=value_head)
-            config = chunks[0].config
-            ddp = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer, grad_reduce_in_fp32=True)
-            chunks = [DistributedDataParallel(config, ddp, chunk) for chunk in chunks]
-            config.finalize_model_grads_func = finalize_model_grads
+            chunks = wrap_for_training(chunks, distributed_optimizer, overlap_grad_reduce=buckets)
             optimizer = get_megatron_optimizer(
                 OptimizerConfig(optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.01,
                                 use_distributed_optimizer=distributed_optimizer,
@@ -184,8 +185,8 @@ def phase_reference(workdir: Path) -> dict:
     from parallel.layout import ParallelLayout
 
     result = {}
-    run = Run(ParallelLayout())
-    manager = CheckpointManager(workdir / "dp2" / "checkpoints", max_ckpt_to_keep=2)
+    run = Run(ParallelLayout(), buckets=True)
+    manager = CheckpointManager(workdir / "dp2" / "checkpoints", max_ckpt_to_keep=2)  # dp_reshardable
     losses = []
     for step in (1, 2, 3, 4):
         losses.append(run.train_step(step))
@@ -195,17 +196,24 @@ def phase_reference(workdir: Path) -> dict:
             # Drawn right after saving: the resumed run must draw the same number after loading.
             result["rand_after_save"] = torch.rand(3)
             result.update(save_asynchronously(run, workdir, step))
+            result["refused_fully_reshardable"] = refused(lambda: CheckpointManager(
+                workdir / "dp2_full" / "checkpoints", optimizer_format="fully_reshardable").save(step, run.targets))
+            result["dp2_full_written"] = (workdir / "dp2_full" / "checkpoints").exists() and any(
+                (workdir / "dp2_full" / "checkpoints").iterdir())
     result["losses"] = losses
     result["weights"] = run.weights()
     result["adam_steps"] = run.adam_steps()
 
-    # Resharding: save at TP2 (world of 2), load into TP1 x DP2.
+    # Resharding: save at TP2 (world of 2), load into TP1 x DP2 -- fully_reshardable (one bucket);
+    # the same state saved dp_reshardable is refused at TP1 by name.
     parallel_state.destroy_model_parallel()
     run = Run(ParallelLayout(tensor_model_parallel_size=2), seed=5)
     for step in (1, 2):
         run.train_step(step)
-    tp_manager = CheckpointManager(workdir / "tp2" / "checkpoints")
+    tp_manager = CheckpointManager(workdir / "tp2" / "checkpoints", optimizer_format="fully_reshardable")
     saved_dir = tp_manager.save(2, run.targets, extra_state={"global_step": 2})
+    dp_manager = CheckpointManager(workdir / "tp2_dp_reshardable" / "checkpoints")
+    dp_manager.save(2, run.targets, extra_state={"global_step": 2})
     result["tp2_eval"] = run.eval_losses()
     result["tp2_weights"] = run.weights()
     result["tp2_step3"] = run.train_step(3)
@@ -214,6 +222,7 @@ def phase_reference(workdir: Path) -> dict:
     parallel_state.destroy_model_parallel()
     run = Run(ParallelLayout(tensor_model_parallel_size=1), seed=11)
     result["tp1_eval_before_load"] = run.eval_losses()
+    result["tp1_refused_dp_reshardable"] = refused(lambda: dp_manager.load(dp_manager.resolve_resume("auto"), run.targets))
     extra = tp_manager.load(tp_manager.resolve_resume("auto"), run.targets)
     result["tp1_loaded_from"] = str(saved_dir)
     result["tp1_extra"] = extra
@@ -237,13 +246,40 @@ def phase_reference(workdir: Path) -> dict:
     return result
 
 
+def refused(action) -> str | None:
+    """The CheckpointError ``action`` raises, or None."""
+    from engine.trainer.checkpoint import CheckpointError
+
+    try:
+        action()
+    except CheckpointError as error:
+        return str(error)
+    return None
+
+
+def phase_dp1(workdir: Path) -> dict:
+    """One rank (DP1) resumes the reference run's DP2 step-2 checkpoint (dp_reshardable, three
+    buckets per buffer) and trains steps 3-4."""
+    from engine.trainer.checkpoint import CheckpointManager, read_checkpoint_metadata
+    from parallel.layout import ParallelLayout
+
+    run = Run(ParallelLayout(), seed=23, buckets=True)
+    manager = CheckpointManager(workdir / "dp2" / "checkpoints")
+    resume_from = manager.resolve_resume("auto")
+    metadata = read_checkpoint_metadata(resume_from)
+    manager.load(resume_from, run.targets)
+    return {"resumed_from": str(resume_from), "format": metadata["distributed_optimizer_format"],
+            "grad_buckets": metadata["grad_buckets"], "adam_steps_after_load": run.adam_steps(),
+            "losses": [run.train_step(step) for step in (3, 4)], "adam_steps": run.adam_steps()}
+
+
 def phase_resume(workdir: Path) -> dict:
     import engine.trainer.checkpoint as checkpoint
     from engine.trainer.checkpoint import CheckpointManager, latest_checkpoint, list_checkpoints
     from parallel.layout import ParallelLayout
 
     result = {}
-    run = Run(ParallelLayout(), seed=99)  # a different seed: everything must come from the checkpoint
+    run = Run(ParallelLayout(), seed=99, buckets=True)  # a different seed: everything must come from the checkpoint
     checkpoints_dir = workdir / "dp2" / "checkpoints"
     manager = CheckpointManager(checkpoints_dir, max_ckpt_to_keep=2)
     resume_from = manager.resolve_resume("auto")
@@ -293,12 +329,15 @@ def phase_resume(workdir: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--phase", choices=("reference", "resume"), required=True)
+    parser.add_argument("--phase", choices=("reference", "dp1", "resume"), required=True)
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     workdir, out = Path(args.workdir), Path(args.out)
-    phase = {"reference": phase_reference, "resume": phase_resume}[args.phase]
+    import engine.roles.optim
+
+    engine.roles.optim.GRAD_BUCKET_ELEMENTS = BUCKET_ELEMENTS
+    phase = {"reference": phase_reference, "dp1": phase_dp1, "resume": phase_resume}[args.phase]
     result = phase(workdir)
     if torch.distributed.get_rank() == 0:
         torch.save(result, out / f"{args.phase}.pt")
