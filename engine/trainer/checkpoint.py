@@ -34,7 +34,7 @@ stored in one of two megatron formats (``trainer.checkpoint.optimizer_format``):
 
 - ``dp_reshardable`` (the default, Megatron-LM's): each rank writes its own shard of the optimizer's
   gradient buckets as they are, with no gather and no copy. It loads at any data-parallel size, but
-  only at the saved tensor/pipeline/context/expert layout and gradient buckets
+  only at the saved tensor/pipeline/expert layout and gradient buckets
   (``BUCKET_LAYOUT_KEYS``; ``load`` refuses anything else by name, before reading a byte).
 - ``fully_reshardable``: the state is all-gathered over data parallelism and stored per parameter,
   so it loads at any layout; the gather holds the whole model-parallel shard's Adam state on every
@@ -86,9 +86,11 @@ RNG_DIR = "rng"
 FORMAT_VERSION = 1
 # What a dp_reshardable optimizer state is tied to: its tensors are the distributed optimizer's
 # gradient buckets, keyed by model-parallel rank (distrib_optimizer.py:1539-1687, 1772-1783).
+# Context parallelism only changes how many ranks share the buckets (megatron shards the optimizer
+# over data x context parallel ranks), as the data-parallel size does.
 BUCKET_LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                      "virtual_pipeline_model_parallel_size", "context_parallel_size",
-                      "expert_model_parallel_size", "expert_tensor_parallel_size")
+                      "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
+                      "expert_tensor_parallel_size")
 # What a checkpoint writes of a trained model: its weights and its optimizer's state. Gradients are
 # zeroed before every mini-batch, so a save (and a load) leaves them where they are, offloaded or not.
 CHECKPOINTED_PARTS = ("params", "optimizer")

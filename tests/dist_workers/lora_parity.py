@@ -160,9 +160,17 @@ def checkpoint_round_trip(actor, chunks, directory: Path, adapters: dict) -> dic
     loaded = export_peft_state_dict(chunks)
     from torch.distributed.checkpoint import FileSystemReader
 
-    keys = [key for key in FileSystemReader(str(saved / "actor")).read_metadata().state_dict_metadata
-            if "_extra_state" not in key]  # megatron's per-layer extra state (None for the local spec)
-    return {"equal": all(torch.equal(loaded[k], v) for k, v in adapters.items()), "tensor_keys": keys}
+    stored = FileSystemReader(str(saved / "actor")).read_metadata().state_dict_metadata
+    # megatron's per-layer extra state (None for the local spec) left out
+    sizes = {key: value.size.numel() for key, value in stored.items()
+             if "_extra_state" not in key and hasattr(value, "size")}
+    from megatron.core import parallel_state
+
+    # the adapter elements every model-parallel rank's optimizer holds (replicated ones once per rank)
+    numel = torch.tensor(float(sum(p.numel() for chunk in chunks for _, a in adapters_of(chunk) for p in (a.lora_A, a.lora_B))))
+    torch.distributed.all_reduce(numel, group=parallel_state.get_model_parallel_group())
+    return {"equal": all(torch.equal(loaded[k], v) for k, v in adapters.items()), "tensor_sizes": sizes,
+            "adapter_numel": int(numel.item())}
 
 
 def export_to_leaders(chunks, on_rank_zero: dict) -> dict:
