@@ -52,7 +52,7 @@ def scale_row(experiment: str, report: PlanReport) -> str:
     headroom = min(phase.capacity_bytes - phase.total_bytes for phase in report.memory.phases)
     sync = report.memory.sync
     cells = [f"`{experiment}`", f"{report.nodes} x {report.gpus_per_node}", SCALE_ROWS[experiment],
-             f"TP{report.rollout.tensor_model_parallel_size}", f"{phases['rollout'].total_bytes / GIB:.1f}",
+             f"TP{report.rollout.tensor_model_parallel_size}", f"{phases['gen'].total_bytes / GIB:.1f}",
              f"{phases['update_actor'].total_bytes / GIB:.1f}", f"{headroom / GIB:.1f}",
              sync_cell(report)]
     return "| " + " | ".join(cells) + " |"

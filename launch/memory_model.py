@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from engine.models.hf_config import ModelArchitecture
 from engine.rollout.base import sglang_static_pool_bytes
+from engine.trainer.phases import FORWARD_PHASES, GEN, PHASE_USES, PHASES, TRAIN_PHASES, UPDATE_WEIGHTS, resident_in_phase
 from parallel.layout import ParallelLayout
 
 GIB = 1024**3
@@ -557,16 +558,8 @@ def hybrid_engine_sync(
     )
 
 
-# Which parts of which role each phase computes with; everything else is resident unless offloaded.
-PHASE_USES: dict[str, dict[str, tuple[str, ...]]] = {
-    "rollout": {},
-    "weight_sync": {"actor": ("params",)},
-    "old_log_prob": {"actor": ("params",)},
-    "ref_log_prob": {"ref": ("params",)},
-    "values": {"critic": ("params",)},
-    "update_critic": {"critic": ("params", "grads", "optimizer")},
-    "update_actor": {"actor": ("params", "grads", "optimizer")},
-}
+# The phases estimated: generation, and each phase that brings parts of a model onto its GPUs.
+ESTIMATED_PHASES = (GEN, *(phase for phase in PHASES if phase in PHASE_USES))
 
 
 @dataclass
@@ -611,9 +604,8 @@ _OFFLOAD_FLAG = {"params": "param_offload", "grads": "grad_offload", "optimizer"
 
 
 def _resident(model: ModelMemoryConfig, part: str, phase: str) -> bool:
-    if part in PHASE_USES[phase].get(model.role, ()):
-        return True
-    return not getattr(model.offload, _OFFLOAD_FLAG[part])
+    offloaded = [name for name, flag in _OFFLOAD_FLAG.items() if getattr(model.offload, flag)]
+    return resident_in_phase(phase, model.role, part, offloaded)
 
 
 def _static_bytes(model: ModelMemoryConfig, part: str, pipeline_rank: int) -> float:
@@ -678,27 +670,25 @@ def estimate_memory(
     else:  # the engine starts before any training model: only the two processes' contexts are taken
         free_at_engine_start = gpu_memory_bytes - 2 * context_bytes
         engine_pool = sglang_static_pool_bytes(free_at_engine_start, rollout.gpu_memory_utilization)
-    forward_phase_role = {"old_log_prob": "actor", "ref_log_prob": "ref", "values": "critic"}
-    train_phase_role = {"update_critic": "critic", "update_actor": "actor"}
     phases = []
-    for phase in PHASE_USES:
-        active_role = forward_phase_role.get(phase) or train_phase_role.get(phase)
+    for phase in ESTIMATED_PHASES:
+        active_role = FORWARD_PHASES.get(phase) or TRAIN_PHASES.get(phase)
         if active_role and active_role not in by_role:
             continue
         items: dict[str, float] = {}
         for model in models:
             kind = None
             if model.role == active_role:
-                kind = "train" if phase in train_phase_role else "forward"
+                kind = "train" if phase in TRAIN_PHASES else "forward"
             items.update(_model_items(model, phase, kind))
-        if phase == "rollout" and not rollout.disaggregated:
+        if phase == GEN and not rollout.disaggregated:
             items["rollout/weights+kv_cache"] = engine_pool
             if not rollout.in_process and cuda_graph_bytes:
                 items["rollout/cuda_graphs"] = cuda_graph_bytes
-        elif phase == "weight_sync" and rollout.disaggregated:
+        elif phase == UPDATE_WEIGHTS and rollout.disaggregated:
             # the sender gathers its stage's whole tensors a bucket at a time: one packed, one broadcast
             items["rollout/sync_buckets"] = 2 * min(sync.bucket_bytes, sync.model_bytes)
-        elif phase == "weight_sync":
+        elif phase == UPDATE_WEIGHTS:
             items["rollout/weights"] = sync.engine_shard_bytes
             # one bucket being packed from the training shards, one handed to the engine
             items["rollout/sync_buckets"] = 2 * min(sync.bucket_bytes, sync.engine_shard_bytes)
@@ -725,7 +715,7 @@ def estimate_memory(
     max_sequences = int(max(0.0, kv_bytes) // (per_token * rollout.sequence_length))
     if max_sequences < 1:
         problems.append(
-            f"phase 'rollout': the engine's share gpu_memory_utilization={rollout.gpu_memory_utilization} x "
+            f"phase '{GEN}': the engine's share gpu_memory_utilization={rollout.gpu_memory_utilization} x "
             f"{free_at_engine_start / GIB:.1f} GiB free when it starts = {engine_pool / GIB:.1f} GiB leaves "
             f"{kv_bytes / GIB:.2f} GiB of KV cache after its {sync.engine_shard_bytes / GIB:.1f} GiB weight shard; "
             f"one {rollout.sequence_length}-token sequence needs {per_token * rollout.sequence_length / GIB:.2f} GiB "

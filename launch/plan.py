@@ -257,7 +257,7 @@ def memory_inputs(config: ExperimentConfig, world_size: int) -> tuple[list[Model
     # With LoRA the reference is the actor with its adapters off: no model of its own.
     if config.built_models().reference:
         models.append(ModelMemoryConfig(
-            role="ref", architecture=architecture, layout=actor_layout, data_parallel_size=actor_dp,
+            role="reference", architecture=architecture, layout=actor_layout, data_parallel_size=actor_dp,
             trainable=False, params_dtype_bytes=param_bytes,
             forward_tokens_per_microbatch=_tokens(actor.use_dynamic_bsz, arr.ref.log_prob_max_token_len_per_gpu,
                                                   arr.ref.log_prob_micro_batch_size_per_gpu, config, actor_cp),

@@ -105,6 +105,8 @@ class ModelOffloader:
         if unknown:
             raise ValueError(f"unknown offload part(s) {sorted(unknown)}; parts are {PARTS}")
         self.enabled = tuple(enabled)
+        # told of each move ("offload" / "onload", the parts that moved): the run's memory record
+        self.observer: Callable[[str, list[str]], None] | None = None
         chunks = list(model_chunks)
         parameters = [p for chunk in chunks for p in chunk.parameters()]
         buffers = [buffer for chunk in chunks for buffer in _ddp_buffers(chunk)]
@@ -130,12 +132,20 @@ class ModelOffloader:
         return [name for name, part in self.parts.items() if not part.offloaded]
 
     def offload(self, *parts: str) -> None:
-        for part in parts:
+        moved = [part for part in parts if not self.parts[part].offloaded]
+        for part in moved:
             self.parts[part].offload()
+        self._tell("offload", moved)
 
     def reload(self, *parts: str) -> None:
-        for part in parts:
+        moved = [part for part in parts if self.parts[part].offloaded]
+        for part in moved:
             self.parts[part].reload()
+        self._tell("onload", moved)
+
+    def _tell(self, move: str, parts: list[str]) -> None:
+        if parts and self.observer is not None:
+            self.observer(move, parts)
 
     def offload_enabled(self) -> None:
         """Send the enabled parts out (after the model is built, and between its phases)."""

@@ -14,9 +14,15 @@ from typing import Sequence
 
 from engine.config import ExperimentConfig
 from engine.rollout.memory import read_events
+from engine.trainer.phases import GEN, resident_in_phase
 from parallel.hybrid_engine import GenerationLayout, HybridLayout, TrainingLayout
+from parallel.offload import PARTS
 
 EVERYTHING = ["weights", "kv_cache", "cuda_graph"]
+# Events the invariants read and the intended order leaves out: where each part of each model is,
+# the phase the moves happen in, and the servers generating ahead (rollout.partial_rollout).
+PLACEMENT_EVENTS = ("resident", "offload", "onload", "phase", "generate", "generate_ahead", "servers_idle_for_push",
+                    "continue_generation")
 
 
 def intended_events(engine: str | None, models: Sequence[str], steps: int, save_steps: Sequence[int] = ()) -> list[dict]:
@@ -43,7 +49,7 @@ def intended_events(engine: str | None, models: Sequence[str], steps: int, save_
 def recorded_events(log_file: Path, cfg: ExperimentConfig) -> list[dict]:
     """A rank's memory events, with each push's bucket count checked (> 0) and left out, and what
     each save found resident checked (``saved_with``) and left out."""
-    events = [event for event in read_events(log_file) if event["event"] != "generate"]  # (check_invariants')
+    events = [event for event in read_events(log_file) if event["event"] not in PLACEMENT_EVENTS]
     for event in events:
         if event["event"] == "push":
             assert event.pop("buckets") > 0, event
@@ -72,23 +78,44 @@ def save_steps(cfg: ExperimentConfig, steps: int) -> list[int]:
 
 
 def check_invariants(events: list[dict]) -> None:
-    """What must hold on any path of a colocated run, over one rank's recorded events:
+    """What must hold on any path of a run, over one rank's recorded events:
 
-    - an engine sizes its KV pool with nothing of training on the device: it starts before any
-      model is built, and restarts only between ``training_state_off_device`` (every part of every
-      model on the host) and ``training_state_back``;
+    - an engine sizes its KV pool with nothing of training on the device, as the planner counts
+      its start (``launch.memory_model``: the memory free beside two CUDA contexts): it starts before
+      any model is built, and restarts only between ``training_state_off_device`` and
+      ``training_state_back``, with every part of every model offloaded;
+    - in each phase every model has on the device exactly what the planner counts for that phase
+      or less (``engine.trainer.phases.resident_in_phase``: the parts the phase uses, and those its
+      config does not offload), after every move (each offload and onload of each part);
+    - while the engine's KV cache or CUDA graphs are resident, the models hold no more than the
+      planner counts beside them (its ``gen`` phase): no gradient or optimizer state it offloads;
     - a checkpoint is saved while the engine's KV cache and CUDA graphs are released;
     - an engine generates (a step, each dynamic-sampling round, validation) only with its weights and
-      KV cache resident."""
+      KV cache resident;
+    - no weight push reaches servers generating ahead (``trainer.max_staleness``) until they are
+      idle (finished, waited for, or paused with ``rollout.partial_rollout``), and paused ones
+      continue before the next generation."""
     engine: set[str] = set()  # the engine's tags resident on this rank's device (leaders only)
     built = off_device = started = False
-    for event in events:
+    resident: dict[str, set[str]] = {}  # each model's parts on the device
+    offloaded: dict[str, list[str]] = {}  # each model's parts kept on the host outside their phases
+    phase = None
+    ahead = paused = False  # generations sent ahead and not yet made idle for a push; paused for it
+    for index, event in enumerate(events):
         name = event["event"]
+        where = f"event {index} {event} in phase {phase}: {events[max(0, index - 8):index + 1]}"
         if name == "start_engine":
             assert not built, f"an engine started after a model was built: {events}"
             engine, started = set(EVERYTHING), True
         elif name == "build_model":
             built = True
+        elif name == "resident":
+            resident[event["model"]], offloaded[event["model"]] = set(event["parts"]), event["offloaded"]
+        elif name in ("offload", "onload"):
+            parts = resident[event["model"]]
+            resident[event["model"]] = parts - set(event["parts"]) if name == "offload" else parts | set(event["parts"])
+        elif name == "phase":
+            phase = event["name"]
         elif name in ("release", "resume"):
             engine = engine - set(event["tags"]) if name == "release" else engine | set(event["tags"])
         elif name == "training_state_off_device":
@@ -98,11 +125,34 @@ def check_invariants(events: list[dict]) -> None:
             off_device = False
         elif name == "restart_engine":
             assert off_device, f"a server restarted beside the training state: {events}"
+            assert not any(resident.values()), f"a server restarted beside {resident}: {where}"
             engine = set(EVERYTHING)
         elif name == "save":
             assert not engine & {"kv_cache", "cuda_graph"}, f"a save beside the engine's {sorted(engine)}: {events}"
         elif name == "generate" and started:  # (a rank without an engine of its own takes part only)
             assert {"weights", "kv_cache"} <= engine, f"a generation with the engine's {sorted(engine)}: {events}"
+        elif name == "generate_ahead":
+            assert not paused, f"a generation sent while the servers were paused: {where}"
+            ahead = True
+        elif name == "servers_idle_for_push":
+            ahead, paused = False, event["how"] == "paused"
+        elif name == "continue_generation":
+            paused = False
+        elif name == "push":
+            assert not ahead, f"a weight push to servers generating ahead: {where}"
+        if name == "generate":
+            assert not paused, f"a generation while the servers were paused: {where}"
+        if phase is not None:
+            _check_phase(phase, resident, offloaded, where)
+        if engine & {"kv_cache", "cuda_graph"}:
+            _check_phase(GEN, resident, offloaded, f"beside the engine's {sorted(engine)}: {where}")
+
+
+def _check_phase(phase: str, resident: dict[str, set[str]], offloaded: dict[str, list[str]], where: str) -> None:
+    for model, parts in resident.items():
+        counted = {part for part in PARTS if resident_in_phase(phase, model, part, offloaded[model])}
+        assert parts <= counted, (f"{model}'s {sorted(parts - counted)} on the device where the planner's "
+                                  f"phase {phase!r} counts {sorted(counted)}: {where}")
 
 
 def check_run(cfg: ExperimentConfig, logs: dict[int, Path], steps: int) -> None:

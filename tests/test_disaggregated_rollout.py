@@ -170,6 +170,24 @@ def test_two_steps_off_policy_with_partial_rollouts_learns(demo_model, tmp_path)
     assert all(0 <= row["rollout/partial/fraction"] <= 1 for row in steps)
     accuracy = [row["val/accuracy"] for row in rows if "val/accuracy" in row]
     assert len(accuracy) == 3 and max(accuracy[1:]) - accuracy[0] >= 0.03, accuracy
+    _check_no_push_reached_servers_generating_ahead(run_dir)
+
+
+def _check_no_push_reached_servers_generating_ahead(run_dir) -> None:
+    """The memory record of every rank holds the invariants (``tests/memory_events.py``); on rank 0,
+    which owns the servers, every push after batches were sent ahead waited for them to be idle
+    (finished, waited for, or paused in place and continued after the push)."""
+    from engine.rollout.memory import read_events
+    from tests.memory_events import check_invariants
+
+    for rank in (0, 1):
+        events = read_events(run_dir / "logs" / f"rank_{rank:05d}.log")
+        check_invariants(events)
+        names = [event["event"] for event in events]
+        if rank == 0:
+            assert names.count("generate_ahead") >= 18 and names.count("servers_idle_for_push") >= 18, names
+            idle = [event["how"] for event in events if event["event"] == "servers_idle_for_push"]
+            assert names.count("continue_generation") == idle.count("paused"), idle
 
 
 def test_servers_on_a_node_of_their_own_serve_only_the_jobs_key(demo_model, tmp_path):

@@ -40,7 +40,7 @@ def test_70b_plans_fit_on_their_node_count_with_every_phase(experiment):
     report = make_plan(experiment)
     assert report.world_size == report.nodes * 8 and report.nodes in (8, 16)
     phases = {phase.phase for phase in report.memory.phases}
-    assert phases == {"rollout", "weight_sync", "old_log_prob", "ref_log_prob", "values", "update_critic", "update_actor"}
+    assert phases == {"gen", "old_log_prob", "ref", "values", "update_critic", "update_actor", "save", "update_weights"}
     assert all(phase.fits for phase in report.memory.phases)
     # one generation wave: the KV cache holds every sequence a replica gets per step
     assert report.memory.max_concurrent_sequences >= report.memory.sequences_per_replica
@@ -53,11 +53,11 @@ def test_70b_lora_fits_one_node_where_full_fine_tuning_does_not(experiment):
     actor = report.models[0]
     # Only the adapters have gradients and Adam state; the reference is the actor (no model of its own).
     assert [model.role for model in report.models] == ["actor"]
-    assert "ref_log_prob" not in {phase.phase for phase in report.memory.phases}
+    assert "ref" not in {phase.phase for phase in report.memory.phases}
     assert actor.grad_bytes(0) == actor.adapter_parameters(0) * 4
     assert 0 < actor.adapter_parameters(0) < 0.015 * actor.params_bytes(0) / 2
     full = make_plan(experiment, ["actor_rollout_ref.model.lora_rank=0"])
-    assert not full.memory.fits and full.memory.phases[-1].over_by_bytes > 80 * 2**30
+    assert not full.memory.fits and {p.phase: p for p in full.memory.phases}["update_actor"].over_by_bytes > 80 * 2**30
 
 
 def test_lora_adapter_parameters_of_a_70b_layer():
@@ -76,12 +76,12 @@ def test_offload_keys_take_parts_out_of_the_phases_that_do_not_use_them():
     keys.append("actor_rollout_ref.ref.megatron.param_offload=true")
     plain = {p.phase: p for p in make_plan("yaml/llama3-70b_ppo_8node.yaml").memory.phases}
     offloaded = {p.phase: p for p in make_plan("yaml/llama3-70b_ppo_8node.yaml", keys).memory.phases}
-    critic_state = sum(plain["rollout"].items[f"critic/{part}"] for part in ("params", "grads", "optimizer"))
-    saved = plain["rollout"].total_bytes - offloaded["rollout"].total_bytes
-    assert saved == pytest.approx(critic_state + plain["rollout"].items["ref/params"])
+    critic_state = sum(plain["gen"].items[f"critic/{part}"] for part in ("params", "grads", "optimizer"))
+    saved = plain["gen"].total_bytes - offloaded["gen"].total_bytes
+    assert saved == pytest.approx(critic_state + plain["gen"].items["reference/params"])
     assert "critic/optimizer" not in offloaded["update_actor"].items
     # The critic's own phase holds all of it; the reference is out of it.
-    assert {k: v for k, v in plain["update_critic"].items.items() if k != "ref/params"} == \
+    assert {k: v for k, v in plain["update_critic"].items.items() if k != "reference/params"} == \
         offloaded["update_critic"].items
 
 
@@ -90,7 +90,7 @@ def test_undersized_plan_is_refused_naming_the_phase(capsys):
     status = main(["yaml/llama3-70b_ppo_16node.yaml", "--nodes", "8"])
     err = capsys.readouterr().err
     assert status == 1
-    assert "phase 'rollout'" in err and "over by" in err and "GiB" in err
+    assert "phase 'gen'" in err and "over by" in err and "GiB" in err
 
 
 def test_small_gpus_refuse_the_training_phases_too(capsys):
@@ -143,7 +143,7 @@ def test_moe_models_are_planned_with_their_experts_split_over_expert_parallel_ra
     report = make_plan("yaml/qwen2.5-7b_gsm8k.yaml", overrides)
     layout = report.models[0].layout
     # the actor's parameters: each EP rank holds half the experts
-    assert plan["phases"]["rollout"]["items_bytes"]["actor/params"] == 2 * stage_parameters(architecture, layout, 0).total
+    assert plan["phases"]["gen"]["items_bytes"]["actor/params"] == 2 * stage_parameters(architecture, layout, 0).total
     assert stage_parameters(architecture, layout, 0).experts * 2 * layout.tensor_model_parallel_size == \
         4 * 16 * 3 * 512 * 256
 
@@ -165,8 +165,8 @@ def test_disaggregated_rollout_plans_the_servers_gpus_apart_from_the_trainers(ca
         if name == "server":
             assert phase.items["rollout/weights+kv_cache"] == sglang_static_pool_bytes(
                 report.gpu_memory_gib * GIB - CUDA_CONTEXT_GIB * GIB, report.rollout.gpu_memory_utilization)
-            assert not any(key.startswith(("actor/", "critic/", "ref/")) for key in phase.items)
-        elif name == "weight_sync":
+            assert not any(key.startswith(("actor/", "critic/", "reference/")) for key in phase.items)
+        elif name == "update_weights":
             assert engine == {"rollout/sync_buckets"}
         else:
             assert not engine, (name, engine)
@@ -208,7 +208,7 @@ def test_scale_docs_print_the_current_estimates():
         report = make_plan(experiment)
         phases = {phase.phase: phase for phase in report.memory.phases}
         headroom = min(phase.capacity_bytes - phase.total_bytes for phase in report.memory.phases)
-        expected = [f"{phases['rollout'].total_bytes / gib:.1f}", f"{phases['update_actor'].total_bytes / gib:.1f}",
+        expected = [f"{phases['gen'].total_bytes / gib:.1f}", f"{phases['update_actor'].total_bytes / gib:.1f}",
                     f"{headroom / gib:.1f}", sync_cell(report)]
         row = next(line for line in page if line.startswith(f"| `{experiment}` |"))
         cells = [cell.strip() for cell in row.strip("|").split("|")]

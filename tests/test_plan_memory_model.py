@@ -198,7 +198,7 @@ def test_offloaded_parts_leave_the_gpu_outside_their_phase():
         [ModelMemoryConfig(role="actor", offload=OffloadPolicy(grad_offload=True, optimizer_offload=True), **common)],
         rollout, 8, 80 * 2**30, 0)
     by_phase = {phase.phase: phase for phase in offloaded.phases}
-    assert "actor/optimizer" not in by_phase["rollout"].items and "actor/grads" not in by_phase["rollout"].items
+    assert "actor/optimizer" not in by_phase["gen"].items and "actor/grads" not in by_phase["gen"].items
     assert "actor/optimizer" in by_phase["update_actor"].items
     assert by_phase["update_actor"].total_bytes == {p.phase: p for p in resident.phases}["update_actor"].total_bytes
 
@@ -231,6 +231,6 @@ def test_the_engine_starts_on_the_gpu_less_two_cuda_contexts():
     plan = estimate_memory([ModelMemoryConfig(role="actor", **common)], rollout, 8, gpu, 0, context_bytes=context,
                            cuda_graph_bytes=graphs)
     phases = {phase.phase: phase.items for phase in plan.phases}
-    assert phases["rollout"]["rollout/weights+kv_cache"] == pytest.approx(0.4 * (gpu - 2 * context))
-    assert phases["rollout"]["rollout/cuda_graphs"] == graphs and "rollout/cuda_graphs" not in phases["update_actor"]
+    assert phases["gen"]["rollout/weights+kv_cache"] == pytest.approx(0.4 * (gpu - 2 * context))
+    assert phases["gen"]["rollout/cuda_graphs"] == graphs and "rollout/cuda_graphs" not in phases["update_actor"]
     assert all(items["cuda_contexts"] == 2 * context for items in phases.values())

@@ -10,6 +10,7 @@ and the weight synchroniser between actor and engine.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -190,6 +191,9 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
 
     trained_and_frozen = {"actor": actor_role, "reference": reference, "critic": critic}
     offloaders = _offloaders({**trained_and_frozen, "reward_model": reward_model.model if reward_model else None})
+    for name, offloader in offloaders.items():  # from here on every move of every part is recorded
+        record("resident", model=name, parts=offloader.resident_parts(), offloaded=list(offloader.enabled))
+        offloader.observer = functools.partial(_record_move, name)
     # the weight sync, and where a restarting server finds the training state; servers of their own start here
     rollout.connect(actor_role, training_state_off_device=lambda: training_state_off_device(offloaders))
     judge, judge_server = _start_judge(cfg, run) if cfg.reward_model.judge.enable else (None, None)
@@ -211,6 +215,10 @@ def build_components(cfg: ExperimentConfig, run: RunDirectory) -> PPOComponents:
     if problem is not None:
         raise ConfigError(problem)
     return parts
+
+
+def _record_move(model: str, move: str, parts: list[str]) -> None:
+    record(move, model=model, parts=parts)
 
 
 def _offloaders(roles: dict[str, Any]) -> dict[str, ModelOffloader]:
@@ -235,10 +243,10 @@ def training_state_off_device(offloaders: dict[str, ModelOffloader]):
     try:
         yield
     finally:
+        record("training_state_back")
         for offloader in offloaders.values():
             offloader.reload(*OFFLOAD_PARTS)
             offloader.offload_enabled()
-        record("training_state_back")
 
 
 def _report_offload(offloaders: dict[str, ModelOffloader]) -> None:

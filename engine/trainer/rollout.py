@@ -165,6 +165,7 @@ def _start(rollout: "Rollout", prompts, params: SamplingParams, policy_version: 
     if sync.disaggregated and dist.get_rank() == 0:
         tasks = _tasks(merged["prompts"], merged)
         if background:
+            record("generate_ahead", prompts=len(tasks))
             pending.future = _in_background(_timed_generate, rollout, tasks, params)
         else:
             pending.responses = _timed_generate(rollout, tasks, params)
@@ -227,23 +228,29 @@ class RolloutAhead:
 
     def before_push(self, rollout: Rollout) -> float:
         """Make the servers idle for a weight push: wait for the batches in flight (the seconds
-        waited; 0 off rank 0 or with nothing in flight) or, partial, pause them in place (0)."""
-        running = [p.future for p in self._pending if p.future is not None and not p.future.done()]
-        if not running:
+        waited; 0 off rank 0 or with nothing in flight) or, partial, pause them in place (0). How
+        they became idle goes to the memory record (the push must follow it)."""
+        futures = [p.future for p in self._pending if p.future is not None]
+        if not futures:
             return 0.0
-        if self.partial:
+        running = [future for future in futures if not future.done()]
+        waited = 0.0
+        if running and self.partial:
             rollout.engine.pause_generation("in_place")  # requests keep their KV cache and wait
             self._paused = True
-            return 0.0
-        start = time.perf_counter()
-        concurrent.futures.wait(running)
-        return time.perf_counter() - start
+        elif running:
+            start = time.perf_counter()
+            concurrent.futures.wait(running)
+            waited = time.perf_counter() - start
+        record("servers_idle_for_push", how="paused" if self._paused else "waited" if running else "finished")
+        return waited
 
     def after_push(self, rollout: Rollout) -> None:
         """The generations paused for the push continue, with the new weights."""
         if self._paused:
             rollout.engine.continue_generation()
             self._paused = False
+            record("continue_generation")
 
 
 class Rollout:

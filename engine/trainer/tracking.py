@@ -20,6 +20,8 @@ import torch
 from tqdm import tqdm
 
 from engine.config.trainer import LOGGERS
+from engine.rollout.memory import record
+from engine.trainer.phases import PHASES
 from engine.trainer import watchdog
 from engine.trainer.loggers import (ConsoleSink, JsonlSink, MlflowSink, PrometheusSink, Sink, TensorBoardSink,
                                     WandbSink)
@@ -90,9 +92,12 @@ def phase(name: str, metrics: dict[str, float], *, synchronize: bool = True) -> 
     that launched it. The phase is a ``record_function`` range in torch profiler traces and, on
     GPUs, an NVTX range, so Nsight Systems shows rollout vs training (``trainer.profile``).
     """
+    if name not in PHASES:
+        raise ValueError(f"phase {name!r} is not one of engine.trainer.phases.PHASES {PHASES}")
     sync = synchronize and torch.cuda.is_available()
     if sync:
         torch.cuda.synchronize()
+    record("phase", name=name)  # the memory record's moves happen in the phase last entered
     reset_peak_memory()
     started = time.perf_counter()
     ranges = contextlib.ExitStack()
