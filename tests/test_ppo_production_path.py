@@ -82,9 +82,13 @@ def test_the_checkpoint_is_saved_while_the_engine_sleeps_without_gradients(watch
     cache back for the engine to resume, with each model's weights and optimizer state resident and
     its offloaded gradients left on the host (slime's ``train.py``: save, then update weights)."""
     from engine.rollout.memory import read_events
+    from tests.memory_events import PLACEMENT_EVENTS
 
     out_dir, _ = watched_run
-    leader = read_events(out_dir / "memory_rank_0.log")
+    recorded = read_events(out_dir / "memory_rank_0.log")
+    phases = [event["name"] for event in recorded[:[e["event"] for e in recorded].index("save")] if event["event"] == "phase"]
+    assert phases[-1] == "save", phases  # in the planner's save phase (engine.trainer.phases)
+    leader = [event for event in recorded if event["event"] not in PLACEMENT_EVENTS]
     saves = [index for index, event in enumerate(leader) if event["event"] == "save"]
     assert len(saves) == 1, leader
     before, after = leader[saves[0] - 1], leader[saves[0] + 1]
