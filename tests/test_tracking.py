@@ -115,21 +115,21 @@ def test_phase_accumulates_time():
 def test_phase_peak_memory_is_per_phase():
     """Each phase reports the peak of its own window (the process-wide peak is reset on entry)."""
     metrics = {}
-    with phase("big", metrics):
+    with phase("update_actor", metrics):  # the big one
         # A fresh anonymous mapping, so the pages are new to the process whatever the heap already holds
         # (a calloc may reuse resident heap memory late in a long test session); every page is written.
         block = mmap.mmap(-1, 300 * 1024**2)
         for offset in range(0, len(block), 4096):
             block[offset] = 1
         block.close()
-    with phase("small", metrics):
+    with phase("old_log_prob", metrics):  # the small one
         pass
-    big, small = metrics["perf/max_rss_gb/big"], metrics["perf/max_rss_gb/small"]
+    big, small = metrics["perf/max_rss_gb/update_actor"], metrics["perf/max_rss_gb/old_log_prob"]
     assert big - small > 0.25, metrics  # 300 MiB = 0.29 GiB
     assert step_peak_memory(metrics)["perf/max_rss_gb"] == big
     import torch
 
-    assert ("perf/max_memory_allocated_gb/big" in metrics) == torch.cuda.is_available()
+    assert ("perf/max_memory_allocated_gb/update_actor" in metrics) == torch.cuda.is_available()
 
 
 def test_console_progress_eta_and_line():
