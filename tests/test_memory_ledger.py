@@ -12,7 +12,7 @@ import inspect
 import re
 
 from engine.trainer import phases, ppo_trainer
-from engine.trainer.tracking import phase
+from engine.trainer.tracking import phase as timed_phase
 from launch import memory_model
 from tests.memory_events import EVERYTHING, check_invariants
 
@@ -110,5 +110,5 @@ def test_the_loop_the_record_and_the_planner_share_one_vocabulary_of_phases():
             assert memory_model._resident(model, part, phase) == phases.resident_in_phase(
                 phase, "actor", part, ["grads", "optimizer"])
     with pytest.raises(ValueError, match="is not one of"):
-        with phase("rollout", {}):
+        with timed_phase("rollout", {}):
             pass
