@@ -126,17 +126,18 @@ def measure(manager, targets, train_step, step: int, baseline_step_s: float) -> 
             "training_lost_s": stall + slowdown}
 
 
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def save_with_peaks(manager, targets, step: int) -> dict:
     """One synchronous save, timed, with the rise of resident host memory (and allocated device
     memory) it caused on this rank, the largest over the ranks."""
     import threading
 
+    import psutil
     import torch.distributed as dist
+
+    process = psutil.Process()
+
+    def resident_bytes() -> int:
+        return process.memory_info().rss
 
     before, peak, done = resident_bytes(), [0], threading.Event()
 

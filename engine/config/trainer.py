@@ -42,7 +42,7 @@ class CheckpointConfig:
             after every rank has finished. At most one save is in flight; the run's end waits for it.
         optimizer_format: how the distributed optimizer's Adam state is stored (megatron's formats).
             "dp_reshardable" (default): each rank writes its own shard, no gather; resumes at any
-            data-parallel size, at the saved tensor/pipeline/context/expert layout only.
+            data- or context-parallel size, at the saved tensor/pipeline/expert layout only.
             "fully_reshardable": gathered over data parallelism and stored per parameter, resumes at
             any layout, at the cost of the whole model-parallel shard's state in every data-parallel
             rank's host memory during the save; refused for models with several gradient buckets

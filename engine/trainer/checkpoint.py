@@ -33,7 +33,8 @@ megatron's dist_checkpointing reads each rank's new shard. The distributed optim
 stored in one of two megatron formats (``trainer.checkpoint.optimizer_format``):
 
 - ``dp_reshardable`` (the default, Megatron-LM's): each rank writes its own shard of the optimizer's
-  gradient buckets as they are, with no gather and no copy. It loads at any data-parallel size, but
+  gradient buckets as they are, with no gather and no copy. It loads at any data- or context-parallel
+  size, but
   only at the saved tensor/pipeline/expert layout and gradient buckets
   (``BUCKET_LAYOUT_KEYS``; ``load`` refuses anything else by name, before reading a byte).
 - ``fully_reshardable``: the state is all-gathered over data parallelism and stored per parameter,
@@ -486,11 +487,8 @@ def grad_buckets(target: CheckpointTarget) -> list[list[int]]:
 
 
 def optimizer_format_problem(optimizer_format: str, models: Mapping[str, CheckpointTarget]) -> str | None:
-    """Why ``models`` cannot be saved in ``optimizer_format``, or None (collective: every rank's
-    buckets count, and every rank gets the same answer)."""
-    if optimizer_format not in OPTIMIZER_FORMATS:
-        return (f"trainer.checkpoint.optimizer_format={optimizer_format!r} is not one of "
-                f"{', '.join(OPTIMIZER_FORMATS)}")
+    """Why ``models`` cannot be saved in ``optimizer_format`` (one of ``OPTIMIZER_FORMATS``), or None
+    (collective: every rank's buckets count, and every rank gets the same answer)."""
     if optimizer_format != "fully_reshardable":
         return None
     several = [name for name, target in models.items() if target.optimizer is not None
@@ -789,7 +787,7 @@ class CheckpointManager:
             # saved before the key existed: megatron's fully_reshardable, the only format then
             optimizer_format = metadata.get("distributed_optimizer_format", "fully_reshardable")
             if with_optimizer and optimizer_format == "dp_reshardable":
-                self._check_bucket_layout(checkpoint_dir / name, saved, metadata.get("grad_buckets", {}).get(name), target)
+                _check_bucket_layout(checkpoint_dir / name, saved, now, metadata.get("grad_buckets", {}).get(name), target)
             request = _target_sharded_state_dict(target, is_loading=True, with_optimizer=with_optimizer,
                                                  optimizer_format=optimizer_format)
             model_dir = checkpoint_dir / name
@@ -814,29 +812,29 @@ class CheckpointManager:
         return extra_state
 
 
-    @staticmethod
-    def _check_bucket_layout(model_dir: Path, saved: dict[str, Any], saved_buckets: list | None,
-                             target: CheckpointTarget) -> None:
-        """A dp_reshardable optimizer state loads only where its buckets are the saved ones: the same
-        model-parallel layout (the data-parallel size may change) and gradient buckets (collective)."""
-        now = _layout_of_this_rank()
-        changed = {key: (saved[key], now[key]) for key in BUCKET_LAYOUT_KEYS if key in saved and saved[key] != now[key]}
-        how = ("resume once at the saved layout with trainer.checkpoint.optimizer_format=fully_reshardable "
-               "and save, then change the layout")
-        if changed:
-            raise CheckpointError(
-                f"{model_dir}: its optimizer state was saved as dp_reshardable, which loads at another "
-                f"data-parallel size but not another "
-                + ", ".join(f"{key} ({was} saved, {this} here)" for key, (was, this) in changed.items())
-                + f"; {how}")
-        problem = None
-        if _rank() == 0 and saved_buckets is not None and grad_buckets(target) != saved_buckets:
-            problem = (f"{model_dir}: its optimizer state was saved as dp_reshardable with gradient buckets "
-                       f"{saved_buckets} (elements), this run's are {grad_buckets(target)} (a changed "
-                       f"overlap_grad_reduce or model); {how}")
-        problem = _broadcast_from_rank0(problem)
-        if problem is not None:
-            raise CheckpointError(problem)
+def _check_bucket_layout(model_dir: Path, saved: dict[str, Any], now: dict[str, Any], saved_buckets: list | None,
+                         target: CheckpointTarget) -> None:
+    """A dp_reshardable optimizer state loads only where its buckets are the saved ones: the same
+    model-parallel layout (the data- and context-parallel sizes may change) and gradient buckets
+    (collective). ``saved`` / ``now``: the layouts (``_layout_of_this_rank``)."""
+    changed = {key: (saved[key], now[key]) for key in BUCKET_LAYOUT_KEYS if key in saved and saved[key] != now[key]}
+    how = ("resume once at the saved layout with trainer.checkpoint.optimizer_format=fully_reshardable "
+           "and save, then change the layout")
+    if changed:
+        raise CheckpointError(
+            f"{model_dir}: its optimizer state was saved as dp_reshardable, which loads at another "
+            f"data-parallel size but not another "
+            + ", ".join(f"{key} ({was} saved, {this} here)" for key, (was, this) in changed.items())
+            + f"; {how}")
+    problem = None
+    buckets = grad_buckets(target) if _rank() == 0 else None
+    if saved_buckets is not None and buckets is not None and buckets != saved_buckets:
+        problem = (f"{model_dir}: its optimizer state was saved as dp_reshardable with gradient buckets "
+                   f"{saved_buckets} (elements), this run's are {buckets} (a changed overlap_grad_reduce "
+                   f"or model); {how}")
+    problem = _broadcast_from_rank0(problem)
+    if problem is not None:
+        raise CheckpointError(problem)
 
 
 def _tensor_bytes(models: Mapping[str, CheckpointTarget]) -> int:

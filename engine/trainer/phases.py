@@ -39,7 +39,7 @@ PHASE_USES: dict[str, dict[str, tuple[str, ...]]] = {
     SAVE: {"actor": ("params", "optimizer"), "critic": ("params", "optimizer")},
     UPDATE_WEIGHTS: {"actor": ("params",)},
 }
-# The phase whose model the phase runs forward (or trains), for the planner's activations.
+# The model each phase runs forward (or trains), for the planner's activations.
 FORWARD_PHASES = {OLD_LOG_PROB: "actor", REF: "reference", VALUES: "critic", REWARD: "reward_model"}
 TRAIN_PHASES = {UPDATE_CRITIC: "critic", UPDATE_ACTOR: "actor"}
 
