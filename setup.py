@@ -23,7 +23,7 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["engine*", "parallel*", "launch*", "benchmarks*"]),
     install_requires=_requirements("base.txt"),
-    entry_points={"console_scripts": ["trident=launch.cli:main"]},
+    entry_points={"console_scripts": ["trident=launch.cli:command"]},
     extras_require={
         # transformer-engine builds only against CUDA/NCCL headers: GPU machines only. The range is
         # megatron-core 0.16.1's own (its "dev" extra), for torch 2.14.1's CUDA 13 build.

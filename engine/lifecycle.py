@@ -16,11 +16,13 @@ it was told to watch, then exits.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
 import sys
 import time
+from typing import NoReturn
 
 _REAPER: subprocess.Popen | None = None
 
@@ -35,6 +37,21 @@ def start_reaper() -> subprocess.Popen:
                                    stdin=subprocess.PIPE, text=True, start_new_session=True)
         os.register_at_fork(after_in_child=_let_go_of_the_reaper)
     return _REAPER
+
+
+def exit_now(code: int) -> NoReturn:
+    """End a launcher process whose job is done with ``code``: its ``atexit`` hooks run (logging's,
+    the reaper's pipe, every stop we registered) and its standard streams are flushed, but the
+    interpreter's own teardown is skipped. In a process that imported torch that teardown is one
+    last garbage collection of the whole module graph (py-spy: ``gc_collect_main``), ~2 s of CPU
+    after the job ended, on every ``launch.torchrun`` and ``trident`` run."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or its reader gone: nothing left to keep
+            pass
+    os._exit(code)
 
 
 def _let_go_of_the_reaper() -> None:

@@ -23,6 +23,7 @@ import signal
 import sys
 import tempfile
 from collections.abc import Sequence
+from typing import NoReturn
 from pathlib import Path
 
 from launch.main import ERROR_DIR_ENV, EXIT_USER_ERROR, user_errors
@@ -136,5 +137,12 @@ def report_failures(failure, error_dir: Path, logs_dir: Path) -> int:
     return first if first > 0 else 1
 
 
+def command() -> NoReturn:
+    """The ``trident`` executable: ``main``'s status, without the interpreter's teardown (``exit_now``)."""
+    from engine.lifecycle import exit_now
+
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()

@@ -211,4 +211,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from engine.lifecycle import exit_now
+
+    main()  # a failed job raises (torch's ChildFailedError): exit status 1 and its report, as torchrun's
+    exit_now(0)

@@ -120,3 +120,31 @@ def test_a_module_runs_as_main_with_its_arguments(tmp_path, demo_model):
     assert result.returncode != 0
     assert "[trident] error: " in result.stderr and "no_such_key" in result.stderr, result.stderr[-3000:]
     assert "exitcode  : 2" in result.stderr
+
+
+EXIT_NOW_SCRIPT = r"""
+import atexit, sys
+from pathlib import Path
+from engine.lifecycle import exit_now
+out = Path(sys.argv[1])
+
+class TornDown:  # the interpreter's teardown would collect it
+    def __del__(self):
+        (out / "teardown").write_text("ran")
+
+kept = TornDown()
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+sys.stdout.write("buffered, not flushed")
+exit_now(3)
+"""
+
+
+def test_a_launcher_ends_with_its_hooks_and_output_but_without_the_interpreters_teardown(tmp_path):
+    """``exit_now`` (the end of ``launch.torchrun`` and of the ``trident`` command): the status, the
+    atexit hooks and the buffered output are kept; the teardown, whose last garbage collection of
+    torch's modules took ~2 s, is skipped."""
+    result = subprocess.run([sys.executable, "-c", EXIT_NOW_SCRIPT, str(tmp_path)], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert result.stdout == "buffered, not flushed"
+    assert (tmp_path / "atexit").read_text() == "ran" and not (tmp_path / "teardown").exists()

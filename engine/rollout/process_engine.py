@@ -37,6 +37,7 @@ from engine.rollout.base import (
     check_pause_mode,
     sglang_static_pool_bytes,
 )
+from engine.rollout.shared_memory import use_file_system_sharing
 
 POLL_S = 0.5
 # Errors of the child's engine raised in the parent as the same class (anything else: RolloutError).
@@ -207,7 +208,7 @@ def _serve(requests, control, model_path: str, rollout_fields: dict, launch: dic
         if device.type == "cuda":
             torch.cuda.set_device(device)
         else:
-            torch.multiprocessing.set_sharing_strategy("file_system")
+            use_file_system_sharing()
         free_at_start = _free_bytes(device)
         engine = TorchRolloutEngine(model_path, rollout, **launch)
         weight_bytes = engine.resident_weight_bytes()

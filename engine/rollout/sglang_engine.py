@@ -51,6 +51,7 @@ from engine.rollout.base import (
 )
 from engine.rollout.sglang_cpu import memory_occupation_control_supported
 from engine.rollout.sglang_presharded import LOADER as PRESHARDED_LOADER
+from engine.rollout.shared_memory import use_file_system_sharing
 from engine.rollout.sglang_server import (SGLangServer, SGLangServerConfig, SGLangServerCrashed, feature_args,
                                           wait_reporting)
 from parallel.state import find_free_port
@@ -139,9 +140,7 @@ def serialize_weights(named_tensors: Sequence[tuple[str, torch.Tensor]], *,
     bucket = FlattenedTensorBucket(named_tensors=[(name, t.detach().contiguous()) for name, t in named_tensors])
     flat = bucket.get_flattened_tensor()
     if flat.device.type == "cpu":
-        # CPU tensors travel as shared-memory files; the default fd-passing strategy makes the
-        # receiving scheduler fail its authentication handshake.
-        torch.multiprocessing.set_sharing_strategy("file_system")
+        use_file_system_sharing()  # CPU tensors travel as shared-memory files (engine.rollout.shared_memory)
     else:
         # CUDA IPC handles name the device by index, and the server sees other indices (its
         # CUDA_VISIBLE_DEVICES holds only its replica's GPUs): SGLang's patch sends the device's
@@ -451,7 +450,7 @@ class SGLangRolloutEngine(RolloutEngine):
             raise WeightUpdateError("push_adapters(): these SGLang servers were started without LoRA "
                                     "(SGLangRolloutConfig.lora)")
         self._unload_adapters()
-        torch.multiprocessing.set_sharing_strategy("file_system")  # as serialize_weights, for CPU tensors
+        use_file_system_sharing()  # as serialize_weights, for CPU tensors
         host = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
         payloads = [MultiprocessingSerializer.serialize(host, output_str=True)
                     for _ in range(self.config.rollout.tensor_model_parallel_size)]
