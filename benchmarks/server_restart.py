@@ -5,7 +5,7 @@ SGLang again) vs forked from this process's forkserver (``engine.rollout.sglang_
 
 Each case starts one CPU server for a tiny random Llama as ``rollout.max_server_restarts`` would
 see it, SIGKILLs its process group, and times ``SGLangServer.restart`` (stop what is left, start,
-wait until ``/health`` answers from its own process). ``plain`` runs with
+wait until it generates a token from its own process, ``READY_PATH``). ``plain`` runs with
 ``TRIDENT_SGLANG_FORKSERVER=off``; ``forked`` waits for this process's own forkserver first (it
 starts once the first server answers). Both run in the same invocation; the least and all of
 ``--repeats`` restarts are reported.

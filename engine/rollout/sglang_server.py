@@ -43,9 +43,13 @@ PORT_TAKEN = "address already in use"
 # An external server's address that refuses connections this long has no server behind it: the job
 # stops naming it instead of waiting out the start-up timeout (such servers are started ready).
 REFUSED_LIMIT_S = 60.0
-# /health polls while a server starts: a forked server answers ~4 s after its request, so a 1 s
-# poll kept a started server idle for half a second on average.
+# Polls while a server starts: a forked server answers ~4 s after its request, so a 1 s poll kept a
+# started server idle for half a second on average.
 READY_POLL_S = 0.25
+# Ready means it generates: one token of a request of its own, once the server is up (503 before;
+# a busy server counts its running requests instead). It stands in for SGLang's warm-up, which our
+# servers skip (``command``).
+READY_PATH = "/health_generate"
 # How long a server we start keeps an idle HTTP connection open: longer than any gap between one
 # thread's requests (a step, a checkpoint, a validation), so no request meets a closing connection.
 KEEP_ALIVE_S = 24 * 3600
@@ -231,6 +235,11 @@ class SGLangServer:
             "--sleep-on-idle",
             # The sharded weight push: each TP worker copies its own shards into place.
             "--custom-weight-loader", PRESHARDED_LOADER,
+            # SGLang's warm-up sleeps a second before its first look at the server and then generates
+            # 8 tokens (sglang/srt/entrypoints/http_server.py, _execute_server_warmup); the readiness
+            # check below generates one token instead (READY_PATH), with no sleep: every start and
+            # every restart of a crashed server is ready sooner.
+            "--skip-server-warmup",
         ]
         if cfg.skip_tokenizer_init:
             args.append("--skip-tokenizer-init")
@@ -311,13 +320,13 @@ class SGLangServer:
         return int(response.json()["max_total_num_tokens"])
 
     def wait_until_ready(self) -> None:
-        """Poll ``/health`` until this server's own process answers 200; raise if the process dies or
+        """Poll ``READY_PATH`` until this server's own process answers 200; raise if the process dies or
         time runs out.
 
         A chosen port can be taken by another process before the server binds it (a rank's ports are
         drawn while other ranks and other jobs start their own servers). A lost ``--nccl-port`` makes
         the server exit; a lost HTTP port makes uvicorn log the bind error and the launcher hang, while
-        another server on that port may answer ``/health`` for it. So the answer counts only from a
+        another server on that port may answer for it. So the answer counts only from a
         port this server's process group listens on, and a server that lost a port starts again on
         fresh ones (``PORT_ATTEMPTS`` in all; a fixed ``port`` that is taken is an error at once)."""
         deadline = time.monotonic() + self.config.rollout.startup_timeout_s
@@ -344,7 +353,7 @@ class SGLangServer:
             if exited or self.process is None:
                 self.raise_if_crashed(grace_s=0.0)
             try:
-                if self._session().get(self.url + "/health", timeout=5).status_code == 200 and self._owns_port():
+                if self._session().get(self.url + READY_PATH, timeout=5).status_code == 200 and self._owns_port():
                     self._check_api_key()
                     if not self.attached:
                         prepare_own_forkserver(self._env)  # for restarts, once this one is up
