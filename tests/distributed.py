@@ -7,8 +7,10 @@ launch. A worker signals failure by raising; its output is attached to the pytes
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -88,3 +90,21 @@ def processes_with(marker: str) -> dict[int, str]:
         except OSError:
             continue
     return found
+
+
+def processes_left(marker: str, within_s: float = 30.0) -> dict[int, str]:
+    """``processes_with(marker)`` once none is left or ``within_s`` has passed, whichever is first;
+    what is still running then is killed (nothing leaks into the next tests) and returned. A job's
+    processes may take a moment after its end: torch's shared-memory manager (a session of its own,
+    started by a rank that pushed CPU weights to SGLang) exits 2 s after its last client
+    (torch/lib/libshm/manager.cpp, SHUTDOWN_TIMEOUT) and unlinks what is left only then."""
+    deadline = time.monotonic() + within_s
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = processes_with(marker)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left

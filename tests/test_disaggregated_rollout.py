@@ -19,7 +19,7 @@ import pytest
 from engine.rollout.sglang_server import SERVER_MODULE
 from engine.sync import expected_log_prob_gap
 from parallel.state import find_free_port
-from tests.distributed import REPO_ROOT, processes_with, read_metrics, run_main_job
+from tests.distributed import REPO_ROOT, processes_left, read_metrics, run_main_job
 from tests.rollout_support import SGLANG_MARKS
 
 pytestmark = [pytest.mark.dist, *SGLANG_MARKS]
@@ -311,7 +311,7 @@ def test_a_colocated_server_killed_mid_run_is_restarted_and_the_run_finishes(dem
     starts = [line for line in log.read_text().splitlines() if line.startswith("[trident] ")]
     assert len(starts) == 2 and starts[0].split("--port ")[1].split()[0] == starts[1].split("--port ")[1].split()[0]
     assert "SGLang server" in (run_dir / "logs" / "rank_00001.log").read_text()
-    assert processes_with(marker) == {}
+    assert processes_left(marker) == {}
     _check_restart_found_the_first_starts_memory(run_dir, log)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from engine.rollout.sglang_server import SERVER_MODULE
-from tests.distributed import REPO_ROOT, processes_with
+from tests.distributed import REPO_ROOT, processes_left, processes_with
 from tests.rollout_support import SGLANG_MARKS
 
 pytestmark = [pytest.mark.dist, *SGLANG_MARKS]
@@ -85,10 +85,5 @@ def test_a_killed_rank_leaves_no_process_behind(demo_model, tmp_path):
     assert job.returncode != 0
     assert "[trident] rank 1 killed by signal 9" in output, output[-4000:]
     assert "Traceback" not in output.split("killed by signal 9")[-1]
-    deadline = time.monotonic() + 30
-    while processes_with(marker) and time.monotonic() < deadline:
-        time.sleep(1)
-    left = processes_with(marker)
-    for pid in left:  # do not leak into the next tests, whatever happened
-        os.kill(pid, signal.SIGKILL)
+    left = processes_left(marker)
     assert not left, left

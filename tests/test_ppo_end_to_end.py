@@ -15,7 +15,7 @@ import torch
 
 from engine.trainer.fault_injection import KILL_ENV
 from parallel.state import find_free_port
-from tests.distributed import REPO_ROOT, processes_with, read_metrics, run_main_job
+from tests.distributed import REPO_ROOT, processes_left, read_metrics, run_main_job
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -105,7 +105,7 @@ def test_a_rank_lost_mid_run_restarts_the_job_which_resumes_exactly(demo_model, 
     weights_a = load_file(straight / "hf" / "actor" / "model.safetensors")
     weights_b = load_file(restarted / "hf" / "actor" / "model.safetensors")
     assert weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[n], weights_b[n]) for n in weights_a)
-    assert processes_with(marker) == {}
+    assert processes_left(marker) == {}
 
 
 def test_moe_with_expert_parallelism_trains_like_ep1_and_resumes(demo_model, tmp_path):

@@ -17,7 +17,7 @@ from engine.config.reward_model import JudgeConfig, JudgeModelConfig
 from engine.rewards.judge import JudgeClient, JudgeError, conversation_text
 from engine.rollout.sglang_server import SERVER_MODULE
 from parallel.state import find_free_port
-from tests.distributed import REPO_ROOT, processes_with, read_metrics
+from tests.distributed import REPO_ROOT, processes_left, processes_with, read_metrics
 from tests.rollout_support import requires_sglang
 
 
@@ -86,12 +86,7 @@ def test_a_judge_that_dies_mid_run_stops_the_run_with_a_clear_error(demo_model, 
     assert "judge at http://127.0.0.1:" in output and "could not score" in output, output[-4000:]
     assert "reward_model.judge.fallback_score" in output
     print(f"the run stopped {stopped_after:.0f} s after the judge was killed")
-    deadline = time.monotonic() + 30
-    while processes_with(marker) and time.monotonic() < deadline:
-        time.sleep(1)
-    left = processes_with(marker)
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    left = processes_left(marker)
     assert not left, left
 
 
