@@ -173,11 +173,29 @@ def generate_trajectories(engine: RolloutEngine, tasks: list[TrajectoryTask], pa
     if params.n != 1:
         raise ValueError("trajectories are generated one per task: repeat the prompts instead of n > 1")
     runs = [_Running(task, params.max_new_tokens) for task in tasks]
-    with _EventLoop() as tools, concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(1, min(len(runs), 256)) if engine.concurrent_requests else 1,
-            thread_name_prefix="trajectory-generate") as pool:
+    pool = (concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(runs), 256)),
+                                                  thread_name_prefix="trajectory-generate")
+            if engine.concurrent_requests else _InCallingThread())
+    with _EventLoop() as tools, pool:
         _Scheduler(engine, params, agent, tools, pool, barrier).run(runs)
     return [None if run.lost else run.trajectory for run in runs]
+
+
+class _InCallingThread(concurrent.futures.Executor):
+    """An engine that takes one call at a time (an embedded one) generates in the calling thread,
+    where torch's intra-op threads already run. From a fresh worker thread (one per rollout) the same
+    call took 1.9x as long (``benchmarks.suite --matrix cpu --cases trident-tiny``, 2 threads:
+    ``gen`` 0.061-0.065 s; 0.030-0.031 s here; 0.033 s at bb133c9, before rollouts ran as
+    trajectories), most likely OpenMP starting a team for each new thread beside the trainer
+    thread's, which still spins from the phase before."""
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as error:  # handed to the scheduler as a pool's future would be (a server died)
+            future.set_exception(error)
+        return future
 
 
 class _Scheduler:
