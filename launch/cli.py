@@ -23,8 +23,8 @@ import signal
 import sys
 import tempfile
 from collections.abc import Sequence
-from typing import NoReturn
 from pathlib import Path
+from typing import NoReturn
 
 from launch.main import ERROR_DIR_ENV, EXIT_USER_ERROR, user_errors
 

@@ -51,9 +51,9 @@ from engine.rollout.base import (
 )
 from engine.rollout.sglang_cpu import memory_occupation_control_supported
 from engine.rollout.sglang_presharded import LOADER as PRESHARDED_LOADER
-from engine.rollout.shared_memory import use_file_system_sharing
 from engine.rollout.sglang_server import (SGLangServer, SGLangServerConfig, SGLangServerCrashed, feature_args,
                                           wait_reporting)
+from engine.rollout.shared_memory import use_file_system_sharing
 from parallel.state import find_free_port
 
 logger = logging.getLogger(__name__)

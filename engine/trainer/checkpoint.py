@@ -34,8 +34,7 @@ stored in one of two megatron formats (``trainer.checkpoint.optimizer_format``):
 
 - ``dp_reshardable`` (the default, Megatron-LM's): each rank writes its own shard of the optimizer's
   gradient buckets as they are, with no gather and no copy. It loads at any data- or context-parallel
-  size, but
-  only at the saved tensor/pipeline/expert layout and gradient buckets
+  size, but only at the saved tensor/pipeline/expert layout and gradient buckets
   (``BUCKET_LAYOUT_KEYS``; ``load`` refuses anything else by name, before reading a byte).
 - ``fully_reshardable``: the state is all-gathered over data parallelism and stored per parameter,
   so it loads at any layout; the gather holds the whole model-parallel shard's Adam state on every
@@ -823,7 +822,7 @@ def _check_bucket_layout(model_dir: Path, saved: dict[str, Any], now: dict[str, 
     if changed:
         raise CheckpointError(
             f"{model_dir}: its optimizer state was saved as dp_reshardable, which loads at another "
-            f"data-parallel size but not another "
+            f"data- or context-parallel size but not another "
             + ", ".join(f"{key} ({was} saved, {this} here)" for key, (was, this) in changed.items())
             + f"; {how}")
     problem = None
